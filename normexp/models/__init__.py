@@ -1,0 +1,7 @@
+"""Backbones, one file per family, behind one registry."""
+
+from . import vit  # noqa: F401  (importing registers the models)
+from .build import build_backbone
+from .registry import create_model, list_models, register_model
+
+__all__ = ["build_backbone", "create_model", "list_models", "register_model"]

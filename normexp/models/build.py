@@ -1,0 +1,38 @@
+"""Build a backbone from its config and put the configured normalizer into it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from ..errors import UserError
+from ..norms import norm_layer_factory, replace_norms
+from .registry import create_model
+
+
+def as_dict(cfg: DictConfig | dict) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+
+
+def norm_settings(norm_cfg: DictConfig | dict) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """Split a ``norm`` config into (name, hyper-parameters, placement)."""
+    cfg = as_dict(norm_cfg)
+    name = cfg.pop("name")
+    placement = cfg.pop("placement", None) or {}
+    return name, cfg, placement
+
+
+def build_backbone(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict) -> nn.Module:
+    """Create ``backbone_cfg.name`` with its config values, then swap its norm slots for ``norm_cfg``."""
+    kwargs = as_dict(backbone_cfg)
+    name = kwargs.pop("name")
+    try:
+        model = create_model(name, **kwargs)
+        norm_name, hparams, placement = norm_settings(norm_cfg)
+        norm_layer = norm_layer_factory(norm_name, **hparams)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"cannot build backbone '{name}' with norm '{norm_cfg['name']}': {e}") from e
+    replace_norms(model, norm_layer, keep=placement.get("keep", ()))
+    return model

@@ -1,0 +1,28 @@
+"""Model statistics recorded in every run summary."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def count_gmacs(model: nn.Module, input_shape: tuple[int, ...]) -> float:
+    """Multiply-accumulates (1e9) of one forward pass -- the figure papers call "FLOPs".
+
+    Counted by torch's FlopCounterMode (matmuls, convolutions, attention); element-wise ops such as
+    normalizers are not counted, as in fvcore, which the papers used.
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(torch.zeros(1, *input_shape, device=device))
+    model.train(was_training)
+    return counter.get_total_flops() / 2 / 1e9

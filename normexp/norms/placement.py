@@ -1,0 +1,66 @@
+"""The one place that decides which norm layers of a model become the chosen normalizer.
+
+Models are built as their papers define them (timm's LayerNorm, LeViT's BatchNorm); ``replace_norms``
+then walks the module tree and swaps each *norm slot* for ``norm_layer(dim, **context)``. The context
+comes from the model itself (``model.norm_context(name)`` when it defines one), never from guessing.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+from .registry import NormLayer
+
+SLOT_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.modules.batchnorm._BatchNorm, nn.GroupNorm)
+
+
+def slot_shape(module: nn.Module) -> tuple[int, str]:
+    """Channel count and data format of a norm slot."""
+    if isinstance(module, nn.LayerNorm):
+        # timm's LayerNorm2d (and our own channels-first LN) normalise dim 1 of NCHW maps.
+        channels_first = getattr(module, "data_format", None) == "channels_first" or \
+            type(module).__name__ == "LayerNorm2d"
+        return module.normalized_shape[-1], "channels_first" if channels_first else "channels_last"
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return module.num_features, "channels_first"
+    if isinstance(module, nn.GroupNorm):
+        return module.num_channels, "channels_first"
+    raise TypeError(f"{type(module).__name__} is not a norm slot")
+
+
+def norm_slots(model: nn.Module) -> list[str]:
+    """Names of the norm slots of ``model``, in module order."""
+    return [name for name, m in model.named_modules() if isinstance(m, SLOT_TYPES)]
+
+
+def replace_norms(
+    model: nn.Module,
+    norm_layer: NormLayer,
+    keep: Iterable[str] = (),
+    context_fn: Callable[[str], dict[str, Any]] | None = None,
+) -> list[str]:
+    """Swap every norm slot of ``model`` for ``norm_layer``, except those matching a ``keep`` pattern.
+
+    ``keep`` holds fnmatch patterns over module names (``"norm"``, ``"blocks.1[0-1].*"``).
+    ``context_fn(name)`` (default: ``model.norm_context`` if the model has one) gives extra context for
+    the slot ``name``, such as its block's head count or its stage's token layout.
+    Returns the names of the replaced slots.
+    """
+    keep = list(keep)
+    if context_fn is None:
+        context_fn = getattr(model, "norm_context", None)
+    replaced = []
+    for name in norm_slots(model):
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in keep):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        dim, data_format = slot_shape(getattr(parent, attr))
+        context = {"data_format": data_format, **(context_fn(name) if context_fn else {})}
+        setattr(parent, attr, norm_layer(dim, **context))
+        replaced.append(name)
+    return replaced

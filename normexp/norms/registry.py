@@ -1,0 +1,82 @@
+"""Registry of normalizers.
+
+A normalizer is an ``nn.Module`` built as ``norm_layer(dim, **context)`` -- the timm ``norm_layer``
+convention -- so it drops into any model slot. ``context`` carries what only the model knows:
+
+- ``data_format``: ``"channels_last"`` for (B, N, C) tokens and (B, H, W, C) maps (normalise the last
+  dim), ``"channels_first"`` for (B, C, H, W) maps;
+- ``num_heads``: heads of the attention block the layer sits in;
+- ``layout``: a :class:`normexp.norms.layout.TokenLayout` describing the token grid, shared by a stage;
+- ``num_prefix_tokens``: class/distillation tokens that precede the grid tokens.
+
+Each normalizer's constructor names the context it uses; :func:`norm_layer_factory` passes it only
+those keys, so models hand every layer the full context and never special-case a normalizer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+NormLayer = Callable[..., nn.Module]
+
+_REGISTRY: dict[str, type[nn.Module]] = {}
+
+CONTEXT_KEYS = ("data_format", "num_heads", "layout", "num_prefix_tokens")
+
+
+def register_norm(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
+    """Class decorator: make a normalizer available as ``norm=<name>``."""
+
+    def wrap(cls: type[nn.Module]) -> type[nn.Module]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"normalizer '{name}' is registered twice")
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def list_norms() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_norm_class(name: str) -> type[nn.Module]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown normalizer '{name}'; available: {', '.join(list_norms())}") from None
+
+
+def _accepted_keywords(cls: type[nn.Module]) -> set[str] | None:
+    """Keyword names the constructor takes, or None when it takes ``**kwargs``."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
+
+
+def norm_layer_factory(name: str, **hparams: Any) -> NormLayer:
+    """Return ``norm_layer(dim, **context)`` for the registered normalizer ``name``.
+
+    ``hparams`` are the normalizer's own hyper-parameters (from its yaml); unknown ones fail here, at
+    configuration time, with the list of valid ones.
+    """
+    cls = get_norm_class(name)
+    accepted = _accepted_keywords(cls)
+    if accepted is not None:
+        unknown = sorted(set(hparams) - accepted)
+        if unknown:
+            valid = sorted(accepted - {"self", "dim", *CONTEXT_KEYS})
+            raise ValueError(f"normalizer '{name}' has no option {unknown}; its options are {valid}")
+
+    def build(dim: int, **context: Any) -> nn.Module:
+        if accepted is not None:
+            context = {k: v for k, v in context.items() if k in accepted}
+        return cls(dim, **hparams, **context)
+
+    build.norm_name = name  # type: ignore[attr-defined]
+    return build

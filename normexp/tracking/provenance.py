@@ -1,0 +1,61 @@
+"""What a run needs to be reproduced: seeds, package versions, git commit, config identity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import random
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+PACKAGES = ("torch", "torchvision", "timm", "hydra-core", "omegaconf", "wandb", "numpy", "scikit-learn",
+            "pillow", "normexp")
+
+# Config keys that do not change what a run computes; left out of its identity.
+NON_IDENTITY_KEYS = ("logger",)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["cuda"] = torch.version.cuda
+    return versions
+
+
+def git_state(path: Path | None = None) -> dict[str, Any]:
+    """Commit and dirty flag of the checkout holding this package (None outside a git checkout)."""
+    cwd = path or Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """Identity of a run: sha256 of its resolved config (seed included), less ``NON_IDENTITY_KEYS``."""
+    identity = {k: v for k, v in config.items() if k not in NON_IDENTITY_KEYS}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]

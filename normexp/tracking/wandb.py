@@ -1,0 +1,49 @@
+"""W&B mirror of a run record (offline by default: no account, no network; ``wandb sync`` later)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class WandbMirror:
+    """Logs every record row to W&B; the W&B summary mirrors ``summary.json``."""
+
+    def __init__(self, cfg: Any, run_dir: Path, config: dict[str, Any], name: str, tags: list[str]) -> None:
+        import wandb  # imported here: runs with logger=none never pay for it
+
+        self._wandb = wandb
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.get("entity"),
+            group=cfg.get("group"),
+            job_type=cfg.get("job_type"),
+            tags=list(dict.fromkeys(tags)),  # unique, in order
+            name=name,
+            config=config,
+            dir=str(run_dir),
+            mode=cfg.mode,
+            id=cfg.get("id"),
+            resume="allow" if cfg.get("id") else None,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+        self.dir = Path(self.run.dir).parent  # .../wandb/offline-run-<date>-<id>
+        if cfg.mode == "offline":
+            log.info("W&B offline run: %s (upload with `wandb sync %s`)", self.dir, self.dir)
+
+    def log(self, row: dict[str, Any]) -> None:
+        step = row.get("step")
+        self.run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        for key, value in summary.items():
+            if key == "metrics":
+                for kind, metrics in value.items():
+                    for metric, v in metrics.items():
+                        self.run.summary[f"{kind}/{metric}"] = v
+            else:
+                self.run.summary[key] = value
+        self.run.finish(exit_code=0 if summary.get("status") == "completed" else 1)

@@ -1,0 +1,40 @@
+"""Compose configs on CPU the way the command line does, and run them in-process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = str(ROOT / "configs")
+
+
+def compose_cfg(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def quick_cfg(*overrides: str, epochs: int = 1) -> DictConfig:
+    """The demo shrunk to seconds: few epochs, no W&B, no progress bars."""
+    cfg = compose_cfg("logger=none", f"trainer.epochs={epochs}", "trainer.warmup_epochs=0",
+                      "trainer.progress=false", *overrides)
+    with open_dict(cfg):
+        cfg.trainer.log_interval = 10
+    return cfg
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m normexp ARGS`` in a subprocess, as a user types it."""
+    return subprocess.run([sys.executable, "-m", "normexp", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "WANDB_SILENT": "true", **(env or {})})
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"

@@ -1,0 +1,83 @@
+"""The ImageNet code path on a tiny ImageFolder tree generated on the fly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import quick_cfg, run_cli
+from PIL import Image
+
+from normexp.data.imagenet import check_imagefolder_root
+from normexp.errors import UserError
+from normexp.run import run
+from normexp.tracking.records import read_summary
+
+
+def make_imagefolder(root: Path, classes=("n01440764", "n01443537"), per_class=(12, 4), size=40) -> Path:
+    rng = np.random.default_rng(0)
+    for split, count in zip(("train", "val"), per_class, strict=True):
+        for c, wnid in enumerate(classes):
+            folder = root / split / wnid
+            folder.mkdir(parents=True)
+            for i in range(count):
+                # class 0 bright, class 1 dark: learnable in one epoch
+                base = 200 if c == 0 else 50
+                pixels = np.clip(rng.normal(base, 20, (size, size + 8, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{wnid}_{i}.JPEG")
+    return root
+
+
+def test_one_epoch_on_a_generated_imagefolder(tmp_path, run_dir):
+    root = make_imagefolder(tmp_path / "imagenet")
+    cfg = quick_cfg("data=imagenet", f"data.root={root}", "data.num_classes=2", "data.img_size=32",
+                    "data.batch_size=8", "data.eval_batch_size=8", "data.num_workers=0",
+                    "data.pin_memory=false", "backbone.patch_size=8")
+    summary = run(cfg, run_dir)
+    assert summary["status"] == "completed"
+    final = summary["metrics"]["final"]
+    assert final["epoch"] == 1 and 0 <= final["val/top1"] <= 100
+    assert final["val/top5"] == 100.0  # top-k is capped at the number of classes
+
+
+@pytest.mark.parametrize("breakage,message", [
+    ("missing", "does not exist"),
+    ("no_val", "has no 'val/' folder"),
+    ("empty_class", "holds no images"),
+    ("class_mismatch", "different class folders"),
+    ("wrong_count", "set data.num_classes=2"),
+])
+def test_malformed_roots_are_named(tmp_path, breakage, message):
+    root = tmp_path / "imagenet"
+    num_classes = 2
+    if breakage != "missing":
+        make_imagefolder(root, per_class=(1, 1))
+    if breakage == "no_val":
+        for f in (root / "val").rglob("*"):
+            if f.is_file():
+                f.unlink()
+        for d in sorted((root / "val").glob("*")):
+            d.rmdir()
+        (root / "val").rmdir()
+    elif breakage == "empty_class":
+        for f in (root / "train" / "n01440764").iterdir():
+            f.unlink()
+    elif breakage == "class_mismatch":
+        (root / "val" / "n01443537").rename(root / "val" / "n99999999")
+    elif breakage == "wrong_count":
+        num_classes = 1000
+    with pytest.raises(UserError, match=message):
+        check_imagefolder_root(str(root), ("train", "val"), num_classes)
+
+
+def test_missing_root_on_the_command_line_is_one_line(tmp_path):
+    out = run_cli("data=imagenet", "data.root=/nonexistent", "logger=none",
+                  env={"NORMEXP_OUTPUT_DIR": str(tmp_path)})
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "/nonexistent" in errors[0] and "<root>/train/<wnid>" in errors[0]
+    # the failure is recorded, not silently skipped
+    (summary,) = list(Path(tmp_path).rglob("summary.json"))
+    assert read_summary(summary.parent)["status"] == "failed"
