@@ -48,11 +48,27 @@ def test_deit_recipe_values():
     assert compose_cfg("experiment=deit_imagenet", "backbone=vit_tiny").backbone.name == "vit_tiny"
 
 
+def test_dtn_recipe_values():
+    cfg = compose_cfg("experiment=dtn_imagenet")
+    t = cfg.trainer
+    assert (cfg.backbone.name, cfg.norm.name, cfg.backbone.dtn_blocks) == ("vit_small_star", "dtn", 10)
+    assert (t.epochs, t.lr, t.lr_base_size, t.weight_decay, t.warmup_epochs) == (300, 5e-4, 512, 0.05, 5)
+    assert (t.mixup.mixup_alpha, t.mixup.cutmix_alpha) == (0, 0)
+    assert (cfg.data.reprob, cfg.data.color_jitter) == (0, 0.4)
+    assert t.ema.enabled and t.best_metric == "ema/val/top1" and cfg.backbone.drop_path_rate == 0.1
+
+
 def test_cfg_job_prints_the_config():
     out = run_cli("--cfg", "job", "--resolve", "norm=dyt")
     assert out.returncode == 0, out.stderr
     cfg = OmegaConf.create(out.stdout)
-    assert cfg.norm.name == "dyt" and cfg.norm.alpha0 == 0.5 and cfg.backbone.img_size == 16
+    assert cfg.norm.name == "dyt" and cfg.backbone.img_size == 16
+
+
+def test_dyt_alpha0_is_the_papers_unless_the_backbone_suggests_one():
+    assert compose_cfg("norm=dyt", "backbone=vit_small").norm.alpha0 == 0.5
+    assert compose_cfg("norm=dyt").norm.alpha0 == 1.0  # vit_micro's suggestion
+    assert compose_cfg("norm=dyt", "norm.alpha0=0.7").norm.alpha0 == 0.7  # the command line wins
 
 
 def test_unknown_option_lists_the_available_ones():

@@ -28,11 +28,16 @@ def build_backbone(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict)
     """Create ``backbone_cfg.name`` with its config values, then swap its norm slots for ``norm_cfg``."""
     kwargs = as_dict(backbone_cfg)
     name = kwargs.pop("name")
+    kwargs.pop("norm_defaults", None)  # read by the norm configs through interpolation, not by the model
     try:
         model = create_model(name, **kwargs)
         norm_name, hparams, placement = norm_settings(norm_cfg)
         norm_layer = norm_layer_factory(norm_name, **hparams)
     except (ValueError, TypeError) as e:
         raise UserError(f"cannot build backbone '{name}' with norm '{norm_cfg['name']}': {e}") from e
-    replace_norms(model, norm_layer, keep=placement.get("keep", ()))
+    unknown = sorted(set(placement) - {"keep", "first_blocks"})
+    if unknown:
+        raise UserError(f"norm.placement has no option {unknown}; its options are ['first_blocks', 'keep']")
+    replace_norms(model, norm_layer, keep=placement.get("keep") or (),
+                  first_blocks=placement.get("first_blocks"))
     return model

@@ -15,14 +15,22 @@ def count_params(model: nn.Module) -> int:
 def count_gmacs(model: nn.Module, input_shape: tuple[int, ...]) -> float:
     """Multiply-accumulates (1e9) of one forward pass -- the figure papers call "FLOPs".
 
-    Counted by torch's FlopCounterMode (matmuls, convolutions, attention); element-wise ops such as
-    normalizers are not counted, as in fvcore, which the papers used.
+    Counted by torch's FlopCounterMode (matmuls, convolutions, attention matmuls -- timm's fused attention is
+    switched off while counting); element-wise ops such as normalizers are not counted, as in fvcore.
     """
     device = next(model.parameters()).device
     was_training = model.training
+    # Fused attention kernels are invisible to the counter on some devices: count the plain matmuls.
+    fused = [m for m in model.modules() if getattr(m, "fused_attn", False)]
+    for m in fused:
+        m.fused_attn = False
     model.eval()
     counter = FlopCounterMode(display=False)
-    with counter:
-        model(torch.zeros(1, *input_shape, device=device))
-    model.train(was_training)
+    try:
+        with counter:
+            model(torch.zeros(1, *input_shape, device=device))
+    finally:
+        for m in fused:
+            m.fused_attn = True
+        model.train(was_training)
     return counter.get_total_flops() / 2 / 1e9

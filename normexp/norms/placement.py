@@ -41,26 +41,32 @@ def replace_norms(
     model: nn.Module,
     norm_layer: NormLayer,
     keep: Iterable[str] = (),
+    first_blocks: int | None = None,
     context_fn: Callable[[str], dict[str, Any]] | None = None,
 ) -> list[str]:
-    """Swap every norm slot of ``model`` for ``norm_layer``, except those matching a ``keep`` pattern.
+    """Swap the norm slots of ``model`` for ``norm_layer``; return the names of the replaced slots.
 
-    ``keep`` holds fnmatch patterns over module names (``"norm"``, ``"blocks.1[0-1].*"``).
-    ``context_fn(name)`` (default: ``model.norm_context`` if the model has one) gives extra context for
-    the slot ``name``, such as its block's head count or its stage's token layout.
-    Returns the names of the replaced slots.
+    A slot keeps the layer it was built with when its name matches a ``keep`` fnmatch pattern
+    (``"norm"``, ``"blocks.1[0-1].*"``) or one of the model's own ``norm_keep`` patterns (an
+    architecture whose late blocks must keep LN says so itself), or -- with ``first_blocks=k`` -- when it
+    is not inside one of the first k blocks (its context ``block`` index, from the model, is None or >= k).
+    ``context_fn(name)`` (default: ``model.norm_context``) gives the extra context of slot ``name``,
+    such as its block index, its block's head count or its stage's token layout.
     """
-    keep = list(keep)
+    keep = [*keep, *getattr(model, "norm_keep", ())]
     if context_fn is None:
         context_fn = getattr(model, "norm_context", None)
     replaced = []
     for name in norm_slots(model):
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in keep):
             continue
+        context = dict(context_fn(name)) if context_fn else {}
+        block = context.pop("block", None)
+        if first_blocks is not None and (block is None or block >= first_blocks):
+            continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         dim, data_format = slot_shape(getattr(parent, attr))
-        context = {"data_format": data_format, **(context_fn(name) if context_fn else {})}
-        setattr(parent, attr, norm_layer(dim, **context))
+        setattr(parent, attr, norm_layer(dim, data_format=data_format, **context))
         replaced.append(name)
     return replaced

@@ -34,9 +34,10 @@ def test_dyt_matches_its_formula():
 def test_dyt_alpha_is_one_scalar_per_layer_and_gets_no_weight_decay():
     from timm.optim import create_optimizer_v2
 
-    model = build_backbone(compose_cfg("norm=dyt").backbone, compose_cfg("norm=dyt").norm)
+    cfg = compose_cfg("norm=dyt", "backbone=vit_small", "data.img_size=32")
+    model = build_backbone(cfg.backbone, cfg.norm)
     alphas = [p for n, p in model.named_parameters() if n.endswith(".alpha")]
-    assert alphas and all(a.numel() == 1 and a.item() == 0.5 for a in alphas)
+    assert len(alphas) == 25 and all(a.numel() == 1 and a.item() == 0.5 for a in alphas)
     opt = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05, filter_bias_and_bn=True)
     decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     assert not any(id(a) in decayed for a in alphas)

@@ -1,0 +1,48 @@
+"""Token layout shared by the norm layers of one stage (see shared/design.md, "Normalizers and placement").
+
+Token-grid-aware normalizers (DTN) need to know how the (B, N, C) tokens they receive map onto a 2-D
+patch grid. That grid changes at run time (detection resolutions, dynamic image size), so it cannot be a
+constructor argument: each stage owns one :class:`TokenLayout`, hands the *same object* to its norm
+layers as the ``layout`` context, and its patch embedding updates ``layout.grid`` on every forward.
+
+It is deliberately a plain Python object, not an ``nn.Module``: it holds no tensors, must not show up in
+``state_dict``/``named_modules`` once per layer, and ``copy.deepcopy(model)`` (EMA) keeps it shared
+between the copied patch embedding and the copied norms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(eq=False)
+class TokenLayout:
+    """Mutable description of the token sequence of one stage.
+
+    ``grid``: (H, W) of the patch grid in raster order (token index = row * W + col), or None while unknown.
+    ``num_prefix_tokens``: class / distillation tokens that precede the grid tokens in (B, N, C) input.
+    """
+
+    grid: tuple[int, int] | None = None
+    num_prefix_tokens: int = 0
+
+    def set_grid(self, height: int, width: int) -> None:
+        """Called by the patch embedding on every forward with the grid it just produced."""
+        self.grid = (int(height), int(width))
+
+    @property
+    def num_grid_tokens(self) -> int:
+        if self.grid is None:
+            raise RuntimeError("TokenLayout.grid is not set; the patch embedding must call set_grid()")
+        return self.grid[0] * self.grid[1]
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split (B, N, C) tokens into (prefix tokens (B, P, C), grid tokens (B, H*W, C)); views, no copy."""
+        num_grid = self.num_grid_tokens
+        prefix = x.shape[1] - num_grid
+        if prefix != self.num_prefix_tokens:
+            raise ValueError(f"got {x.shape[1]} tokens, expected {self.num_prefix_tokens} prefix + "
+                             f"{num_grid} grid tokens for grid {self.grid}")
+        return x[:, :prefix], x[:, prefix:]

@@ -1,0 +1,270 @@
+"""Comparison normalizers against their definitions: (B, N, C) tokens, (B, H, W, C) and (B, C, H, W) maps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from normexp.norms.batch import BatchNorm
+from normexp.norms.derf import Derf
+from normexp.norms.dyt import DyT
+from normexp.norms.group import GroupNorm
+from normexp.norms.instance import InstanceNorm
+from normexp.norms.power import PowerNorm
+from normexp.norms.scale import ScaleNorm
+
+C = 8
+SHAPES = {"tokens": (3, 10, C), "map": (3, 4, 5, C)}
+
+
+def randomize_affine(m: nn.Module, seed: int = 0) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("weight") and p.numel() == C:
+                p.copy_(1 + 0.5 * torch.randn(C, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(C, generator=gen))
+    return m
+
+
+def affine(y: torch.Tensor, m: nn.Module) -> torch.Tensor:
+    return y * m.weight + m.bias
+
+
+def as_channels_first(module_cls, m: nn.Module, **kw) -> nn.Module:
+    cf = module_cls(C, data_format="channels_first", **kw)
+    cf.load_state_dict(m.state_dict())
+    return cf.train(m.training)
+
+
+def cl_to_cf(x: torch.Tensor) -> torch.Tensor:
+    return x.movedim(-1, 1).contiguous()
+
+
+# --------------------------------------------------------------------------- BatchNorm
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_batchnorm_train_eval_and_running_stats(shape):
+    m = randomize_affine(BatchNorm(C))
+    x = torch.randn(shape) * 2 + 1
+    flat = x.reshape(-1, C)
+    mean, var = flat.mean(0), flat.var(0, unbiased=False)
+    torch.testing.assert_close(m(x), affine((x - mean) / torch.sqrt(var + 1e-5), m))
+    torch.testing.assert_close(m.bn.running_mean, 0.1 * mean)  # momentum 0.1 from 0
+    torch.testing.assert_close(m.bn.running_var, 0.9 + 0.1 * flat.var(0, unbiased=True))
+    m.eval()
+    x2 = torch.randn(shape)
+    expected = affine((x2 - m.bn.running_mean) / torch.sqrt(m.bn.running_var + 1e-5), m)
+    torch.testing.assert_close(m(x2), expected)
+    # channels-first maps: same statistics over batch and positions
+    if len(shape) == 4:
+        cf = as_channels_first(BatchNorm, m)
+        torch.testing.assert_close(cf(cl_to_cf(x2)), cl_to_cf(m(x2)))
+        cf.train()
+        torch.testing.assert_close(cf(cl_to_cf(x)), cl_to_cf(affine((x - mean) / torch.sqrt(var + 1e-5), m)))
+
+
+def test_batchnorm_converts_to_syncbn():
+    model = nn.Sequential(BatchNorm(C))
+    x = torch.randn(4, 6, C)
+    expected = model(x)
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    assert isinstance(synced[0].bn, nn.SyncBatchNorm)
+    synced[0].bn.running_mean.zero_()
+    synced[0].bn.running_var.fill_(1)
+    torch.testing.assert_close(synced(x), expected)  # no process group: local batch statistics
+
+
+# --------------------------------------------------------------------------- PowerNorm
+def group_scaled(x: torch.Tensor, groups: int | None) -> torch.Tensor:
+    if not groups:
+        return x
+    xg = x.reshape(*x.shape[:-1], groups, -1)
+    return (xg / torch.sqrt(xg.pow(2).mean(-1, keepdim=True) + 1e-5)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("groups", [1, 2, None])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_powernorm_warmup_then_running_then_eval(shape, groups):
+    m = randomize_affine(PowerNorm(C, warmup_iters=2, scale_groups=groups))
+    batches = [torch.randn(shape) * (i + 1) + 0.5 for i in range(4)]
+    phis = []
+    for step, x in enumerate(batches):
+        xs = group_scaled(x, groups)
+        phi = xs.reshape(-1, C).pow(2).mean(0)
+        if step < 2:  # warm-up: the batch's own quadratic mean; running = cumulative average
+            expected = affine(xs / torch.sqrt(phi + 1e-5), m)
+            phis.append(phi)
+            running = torch.stack(phis).mean(0)
+        else:  # the running value from before this batch, then an EMA update
+            expected = affine(xs / torch.sqrt(running + 1e-5), m)
+            running = 0.9 * running + 0.1 * phi
+        torch.testing.assert_close(m(x), expected)
+        torch.testing.assert_close(m.running_phi, running)
+    assert int(m.num_batches_tracked) == 4
+    m.eval()
+    x = torch.randn(shape)
+    torch.testing.assert_close(m(x), affine(group_scaled(x, groups) / torch.sqrt(running + 1e-5), m))
+    torch.testing.assert_close(m.running_phi, running)  # eval leaves the statistics alone
+    if len(shape) == 4:
+        cf = as_channels_first(PowerNorm, m, scale_groups=groups).eval()
+        torch.testing.assert_close(cf(cl_to_cf(x)), cl_to_cf(m(x)))
+
+
+def test_powernorm_warmup_gradient_flows_through_batch_statistic():
+    m = PowerNorm(C, warmup_iters=10**9, scale_groups=None)
+    x = torch.randn(4, 5, C, dtype=torch.float64, requires_grad=True)
+    m = m.double()
+    assert torch.autograd.gradcheck(lambda t: m.train()(t), (x,))
+
+
+def test_powernorm_approximate_backward():
+    m = PowerNorm(C, warmup_iters=0, scale_groups=None, affine=False)
+    with torch.no_grad():
+        m.running_phi.uniform_(0.5, 2.0)
+    psi2 = m.running_phi.clone()
+    nu = torch.zeros(C)
+    for _ in range(3):
+        x = torch.randn(2, 6, C, requires_grad=True)
+        g = torch.randn(2, 6, C)
+        rstd = torch.rsqrt(psi2 + 1e-5)
+        x_hat = (x * rstd).detach().reshape(-1, C)
+        m(x).backward(g)
+        # dL/dx = (g - nu_{t-1} x_hat) / psi_{t-1}
+        # nu_t = nu_{t-1} (1 - 0.1 mean(x_hat^2)) + 0.1 mean(x_hat g)
+        torch.testing.assert_close(x.grad, ((g.reshape(-1, C) - nu * x_hat) * rstd).view_as(x))
+        nu = nu * (1 - 0.1 * x_hat.pow(2).mean(0)) + 0.1 * (x_hat * g.reshape(-1, C)).mean(0)
+        torch.testing.assert_close(m.running_nu, nu)
+        psi2 = 0.9 * psi2 + 0.1 * x.detach().reshape(-1, C).pow(2).mean(0)
+        torch.testing.assert_close(m.running_phi, psi2)
+    plain = PowerNorm(C, warmup_iters=0, scale_groups=None, affine=False, approx_backward=False)
+    x = torch.randn(2, 6, C, requires_grad=True)
+    plain(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones_like(x) / torch.sqrt(torch.ones(C) + 1e-5))
+
+
+def test_powernorm_step_counter_survives_state_dict():
+    m = PowerNorm(C, warmup_iters=3)
+    for _ in range(2):
+        m(torch.randn(2, 3, C))
+    fresh = PowerNorm(C, warmup_iters=3)
+    fresh(torch.randn(2, 3, C))  # its host counter is now 1
+    fresh.load_state_dict(m.state_dict())
+    fresh(torch.randn(2, 3, C))
+    assert int(fresh.num_batches_tracked) == 3 and fresh._steps == 3
+
+
+# --------------------------------------------------------------------------- InstanceNorm
+@pytest.mark.parametrize("unbiased", [True, False])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_instancenorm(shape, unbiased):
+    m = randomize_affine(InstanceNorm(C, unbiased=unbiased))
+    x = torch.randn(shape) * 3 + 2
+    flat = x.reshape(shape[0], -1, C)
+    mean = flat.mean(1, keepdim=True)
+    var = flat.var(1, keepdim=True, unbiased=unbiased)
+    expected = affine(((flat - mean) / torch.sqrt(var + 1e-5)).view(shape), m)
+    torch.testing.assert_close(m(x), expected)
+    if not unbiased:
+        ref = F.instance_norm(cl_to_cf(x), weight=m.weight, bias=m.bias, eps=1e-5)
+        torch.testing.assert_close(cl_to_cf(m(x)), ref, rtol=1e-5, atol=1e-5)
+    if len(shape) == 4:
+        cf = as_channels_first(InstanceNorm, m, unbiased=unbiased)
+        torch.testing.assert_close(cf(cl_to_cf(x)), cl_to_cf(expected))
+
+
+# --------------------------------------------------------------------------- GroupNorm
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_groupnorm_uses_heads_as_groups(shape):
+    m = randomize_affine(GroupNorm(C, num_heads=4))
+    assert m.num_groups == 4
+    x = torch.randn(shape) * 2 - 1
+    ref = F.group_norm(cl_to_cf(x.reshape(shape[0], -1, C)), 4, m.weight, m.bias, 1e-5)
+    torch.testing.assert_close(m(x), ref.movedim(1, -1).reshape(shape), rtol=1e-5, atol=1e-5)
+    # by hand: group g of sample b over (tokens x channels of the group)
+    xg = x.reshape(shape[0], -1, 4, 2)
+    mean = xg.mean(dim=(1, 3), keepdim=True)
+    var = xg.var(dim=(1, 3), keepdim=True, unbiased=False)
+    torch.testing.assert_close(m(x), affine(((xg - mean) / torch.sqrt(var + 1e-5)).view(shape), m))
+    if len(shape) == 4:
+        cf = as_channels_first(GroupNorm, m, num_heads=4)
+        torch.testing.assert_close(cf(cl_to_cf(x)), cl_to_cf(m(x)), rtol=1e-5, atol=1e-5)
+
+
+def test_groupnorm_groups_override_and_errors():
+    assert GroupNorm(C, groups=2, num_heads=4).num_groups == 2
+    with pytest.raises(ValueError, match="num_heads"):
+        GroupNorm(C)
+    with pytest.raises(ValueError, match="divide"):
+        GroupNorm(C, num_heads=3)
+
+
+# --------------------------------------------------------------------------- ScaleNorm
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_scalenorm(shape, per_channel):
+    m = ScaleNorm(C, per_channel=per_channel)
+    assert torch.all(m.weight == math.sqrt(C)) and m.weight.numel() == (C if per_channel else 1)
+    with torch.no_grad():
+        m.weight.mul_(torch.rand(m.weight.shape) + 0.5)
+    x = torch.randn(shape)
+    expected = m.weight * x / x.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(m(x), expected)
+    torch.testing.assert_close(m(torch.zeros(shape)), torch.zeros(shape))  # eps guards 0/0
+    if len(shape) == 4:
+        cf = ScaleNorm(C, per_channel=per_channel, data_format="channels_first")
+        cf.load_state_dict(m.state_dict())
+        torch.testing.assert_close(cf(cl_to_cf(x)), cl_to_cf(expected))
+
+
+# --------------------------------------------------------------------------- DyT variants, Derf
+SQUASH = {"tanh": torch.tanh, "hardtanh": lambda t: t.clamp(-1, 1), "sigmoid": torch.sigmoid,
+          "identity": lambda t: t}
+
+
+@pytest.mark.parametrize("learnable", [True, False])
+@pytest.mark.parametrize("squash", SQUASH)
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_dyt_variants(shape, squash, learnable):
+    m = randomize_affine(DyT(C, alpha0=0.8, squash=squash, learnable_alpha=learnable))
+    assert isinstance(m.alpha, nn.Parameter) == learnable
+    assert "alpha" in m.state_dict() and m.alpha.shape == (1,)
+    assert sum(p.numel() for p in m.parameters()) == 2 * C + int(learnable)
+    x = torch.randn(shape, requires_grad=True) * 3
+    y = m(x)
+    torch.testing.assert_close(y, affine(SQUASH[squash](0.8 * x), m))
+    y.sum().backward()
+    assert (m.alpha.grad is not None) == learnable
+    if len(shape) == 4:
+        cf = DyT(C, alpha0=0.8, squash=squash, learnable_alpha=learnable, data_format="channels_first")
+        cf.load_state_dict(m.state_dict())
+        torch.testing.assert_close(cf(cl_to_cf(x.detach())), cl_to_cf(y.detach()))
+
+
+def test_dyt_defaults_and_bad_squash():
+    m = DyT(C)
+    assert m.squash == "tanh" and isinstance(m.alpha, nn.Parameter) and m.alpha.item() == 0.5
+    with pytest.raises(ValueError, match="squash"):
+        DyT(C, squash="relu")
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_derf(shape):
+    m = Derf(C)
+    assert m.alpha.item() == 0.5 and m.shift.item() == 0.0
+    assert torch.all(m.weight == 1) and torch.all(m.bias == 0)
+    randomize_affine(m)
+    with torch.no_grad():
+        m.alpha.fill_(0.7)
+        m.shift.fill_(-0.2)
+    x = torch.randn(shape) * 2
+    expected = affine(torch.erf(0.7 * x - 0.2), m)
+    torch.testing.assert_close(m(x), expected)
+    if len(shape) == 4:
+        cf = Derf(C, data_format="channels_first")
+        cf.load_state_dict(m.state_dict())
+        torch.testing.assert_close(cf(cl_to_cf(x)), cl_to_cf(expected))
