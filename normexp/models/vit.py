@@ -44,10 +44,10 @@ class ViT(VisionTransformer):
         self.patch_embed.register_forward_pre_hook(self._track_grid)
         if dtn_blocks is not None:
             self.norm_keep = [f"blocks.{i}.*" for i in range(dtn_blocks, len(self.blocks))] + ["norm"]
+        self.stride = self.patch_embed.patch_size[0]  # input pixels per token, as T2T-ViT's
         self.pyramid = None
         if pyramid_scales is not None:
-            stride = self.patch_embed.patch_size[0]
-            self.pyramid = SimpleFeaturePyramid(self.embed_dim, stride, tuple(pyramid_scales))
+            self.pyramid = SimpleFeaturePyramid(self.embed_dim, self.stride, tuple(pyramid_scales))
             self.feature_channels, self.feature_strides = self.pyramid.channels, self.pyramid.strides
 
     def _track_grid(self, _module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:

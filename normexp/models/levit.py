@@ -1,0 +1,285 @@
+"""LeViT (Graham et al. 2021) on timm's ``Levit`` / ``LevitDistilled`` (linear mode).
+
+Sizes follow the official ``specification`` (params.md sec 5): C = 128_256_384 / 128_256_384 /
+192_288_384 / 256_384_512 / 384_512_768, key dim 16 / 16 / 32 / 32 / 32, heads 4_6_8 / 4_8_12 / 3_5_6 /
+4_6_8 / 6_9_12, depths 2_3_4 / 4_4_4 / 4_4_4 / 4_4_4 / 4_4_4, a stride-16 conv stem and stride-2
+attention subsampling between stages (stage grids 14, 7, 4 at 224 px).
+
+**Norm slots.** LeViT has no LayerNorm: its normalizer is the BatchNorm after every conv and linear
+(official ``Conv2d_BN`` / ``Linear_BN``, timm ``ConvNorm`` / ``LinearNorm``), so ``norm=bn`` is LeViT as
+published and ``norm=<x>`` puts x in every one of those slots:
+
+* stem ``ConvNorm``: the slot sees the (B, C, H, W) conv map (grid from the shape);
+* every ``LinearNorm`` of the attention (qkv, proj), the MLP and the subsample attention (kv, q, proj):
+  timm flattens the tokens to (B*N, C) for its BatchNorm1d, which a token normalizer cannot use. Here
+  :class:`TokenLinearNorm` replaces it: its slot sees the linear's (B, N, C) output as the (B, C, H, W)
+  map of its grid -- a zero-copy view (channels-last memory). Why a map and not (B, N, C) tokens with a
+  layout: ``placement.slot_shape`` hands every BatchNorm slot ``data_format="channels_first"``, so a
+  replacement normalizer reads dim 1 as channels; as a map, every normalizer gets the right channels and
+  the grid from the shape, and computes exactly what it computes on the (B, N, C) tokens with the grid
+  as layout (tested for every registered normalizer). The grid comes from the stage's TokenLayout (one
+  per stage, set by a hook on the stem for stage 0 and on each subsample attention for the next stage;
+  the subsample attention's kv sees the previous stage's grid, its queries, proj and MLP the subsampled
+  one). BatchNorm over a (B, C, H, W) map is BatchNorm1d over (B*N, C): the same statistics, so
+  ``norm=bn`` still equals timm's LeViT (tested against timm at train and eval);
+* the classifier's ``BN_Linear`` (``head.bn``, ``head_dist.bn``) sees the pooled (B, C) vector: no token,
+  no grid, so it is in ``norm_keep`` and stays BatchNorm under every normalizer. (Its running statistics
+  lag the features when they move fast: in 3-epoch demo runs at peak lr the eval accuracy can dip for
+  a few epochs; 30 epochs with norm=ln reach 98 %.)
+
+LeViT initialises the BatchNorm weight at the end of each residual branch (attention proj, MLP second
+linear) to 0; a normalizer swapped into such a slot gets its own weight init scaled by that factor too,
+so every ``norm=<x>`` starts with the same zero residual branches.
+
+``block`` counts the subsample attention (attention + MLP residual, "shrink attention" in the paper)
+as a block: stage 0's blocks, then stage 1's subsample block and its blocks, and so on. ``num_heads`` is
+the head count of the slot's attention (the subsample attention has ``in_dim // key_dim`` heads) where it
+divides the slot's channels (always for qkv, kv and q, laid out per head); LeViT's other widths are not
+all multiples of it (256 / 6, 288 / 5, 512 / 9), and there the largest divisor of the channel count below
+the head count is used (for DTN's per-head statistics and GroupNorm's groups).
+
+**Distillation head.** timm builds ``LevitDistilled`` (a second classifier ``head_dist``), which the
+published parameter counts include (params.md sec 5), so ``distilled=True`` is the default. Our trainer
+has no teacher: the model returns the average of the two heads in training and eval (timm's behaviour
+with ``distilled_training=False``; LeViT's eval also averages them), so both heads learn from the label.
+``distilled=False`` builds the single-head ``Levit``.
+
+LeViT is fixed-resolution: the attention biases are built for the stage grids of ``img_size``, which must
+be divisible by the stem stride, and the input must have that size. ``features(x)`` returns the three
+stage maps in NCHW at strides ``stem_stride * (1, 2, 4)`` (16 / 32 / 64 at 224 px).
+
+``levit_micro`` is the CPU demo member: 16 px input and a stride-2 stem (LeViT's stride-16 stem cut to
+one 3x3 stride-2 ConvNorm, 3 -> 64), so its stages run on 8x8, 4x4 and 2x2 grids -- the full stem would
+leave 1x1 grids even at 32 px, where instance statistics over one token are undefined. Widths
+64 / 96 / 128, key dim 16, heads 2 / 3 / 4, one block per stage.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from timm.layers import get_act_layer, to_2tuple
+from timm.models.levit import ConvNorm, Levit, LevitDistilled, LevitDownsample, LinearNorm
+from torch import nn
+
+from ..norms.layout import TokenLayout
+from .registry import register_model
+
+
+def slot_heads(channels: int, heads: int) -> int:
+    """``heads`` if it divides ``channels``, else the largest divisor of ``channels`` below ``heads``."""
+    return next(h for h in range(min(heads, channels), 0, -1) if channels % h == 0)
+
+
+class TokenLinearNorm(nn.Module):
+    """Linear + norm for (B, N, C) tokens; the norm slot ``bn`` sees the (B, C, H, W) map of the tokens.
+
+    Built as published: ``bn`` is a BatchNorm2d whose weight starts at ``bn_weight_init`` (timm/official
+    ``Linear_BN``), state_dict keys as timm's ``LinearNorm``. The grid is ``layout.grid``.
+    """
+
+    def __init__(self, linear: nn.Linear, layout: TokenLayout, bn_weight_init: float = 1.0) -> None:
+        super().__init__()
+        self.bn_weight_init = bn_weight_init  # set before ``bn``: __setattr__ reads it
+        self.layout = layout  # shared with the stage, not a submodule
+        self.linear = linear
+        self.bn = nn.BatchNorm2d(linear.out_features)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "bn":  # also when replace_norms swaps another normalizer in
+            self._scale_weight_init(value)
+
+    @torch.no_grad()
+    def _scale_weight_init(self, norm: nn.Module) -> None:
+        """LeViT's residual-branch init (weight 0) for any normalizer: scale its own weight init."""
+        weight = getattr(norm, "weight", None)
+        if self.bn_weight_init != 1.0 and isinstance(weight, torch.Tensor):
+            weight.mul_(self.bn_weight_init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x)
+        b, n, c = x.shape
+        grid = self.layout.grid
+        if grid is None or grid[0] * grid[1] != n:
+            raise RuntimeError(f"LeViT: {n} tokens do not match the stage grid {grid}")
+        # (B, N, C) -> (B, C, H, W) without a copy (channels-last memory), and back
+        y = self.bn(x.transpose(1, 2).view(b, c, *grid))
+        return y.flatten(2).transpose(1, 2).contiguous()
+
+    @classmethod
+    def from_timm(cls, module: LinearNorm, layout: TokenLayout) -> TokenLinearNorm:
+        """The same linear and BatchNorm init as timm's ``module``."""
+        new = cls(module.linear, layout, bn_weight_init=float(module.bn.weight.detach().flatten()[0]))
+        new.bn.load_state_dict(module.bn.state_dict())
+        return new
+
+
+def conv_stem(in_chans: int, out_chs: int, stride: int, act_layer: type[nn.Module]) -> nn.Sequential:
+    """LeViT's stem cut to ``log2(stride)`` 3x3 stride-2 ConvNorms (channels C / 2^(k-1) ... C), as Stem16."""
+    num = int(math.log2(stride))
+    stem = nn.Sequential()
+    prev = in_chans
+    for k in range(num):
+        if k:
+            stem.add_module(f"act{k}", act_layer())
+        out = out_chs // 2 ** (num - 1 - k)
+        stem.add_module(f"conv{k + 1}", ConvNorm(prev, out, 3, stride=2, padding=1))
+        prev = out
+    return stem
+
+
+class _MapGridHook:
+    """Forward hook on the stem: its (B, C, H, W) output sets stage 0's grid."""
+
+    def __init__(self, layout: TokenLayout) -> None:
+        self.layout = layout
+
+    def __call__(self, _module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+        self.layout.set_grid(output.shape[-2], output.shape[-1])
+
+
+class _SubsampleGridHook:
+    """Forward pre-hook on a subsample attention: the next stage's grid is the subsampled previous grid."""
+
+    def __init__(self, source: TokenLayout, target: TokenLayout, stride: int) -> None:
+        self.source, self.target, self.stride = source, target, stride
+
+    def __call__(self, _module: nn.Module, _args: Any) -> None:
+        h, w = self.source.grid
+        self.target.set_grid((h - 1) // self.stride + 1, (w - 1) // self.stride + 1)
+
+
+class _LeViTNorms:
+    """What our LeViT adds to timm's: token-aware norm slots, norm context, size check, features()."""
+
+    def __init__(self, img_size: int | tuple[int, int] = 224, stem_stride: int = 16,
+                 act_layer: str = "hard_swish", use_conv: bool = False, **kwargs: Any) -> None:
+        if use_conv:
+            raise ValueError("only the linear-mode LeViT is supported (use_conv=False)")
+        if stem_stride < 2 or stem_stride & (stem_stride - 1):
+            raise ValueError(f"stem_stride must be a power of two >= 2, got {stem_stride}")
+        size = to_2tuple(img_size)
+        if any(s % stem_stride for s in size):
+            raise ValueError(f"LeViT: img_size {img_size} must be divisible by the stem stride {stem_stride}")
+        if stem_stride in (8, 16):
+            kwargs["stem_type"] = f"s{stem_stride}"  # timm's Stem8 / Stem16
+        else:
+            embed_dim = kwargs.get("embed_dim", (192,))
+            kwargs["stem_backbone"] = conv_stem(kwargs.get("in_chans", 3), embed_dim[0], stem_stride,
+                                                get_act_layer(act_layer))
+            kwargs["stem_stride"] = stem_stride
+        super().__init__(img_size=img_size, act_layer=act_layer, use_conv=False, **kwargs)
+        self.img_size, self.stem_stride = tuple(size), stem_stride
+
+        # one token layout per stage; stage 0's grid from the stem, the next ones from each subsampling
+        layouts = [TokenLayout(num_prefix_tokens=0) for _ in self.stages]
+        self.stage_layouts = layouts
+        self.stem.register_forward_hook(_MapGridHook(layouts[0]))
+        self._blocks: dict[str, tuple[int, int]] = {}  # module prefix -> (global block index, heads)
+        for i, stage in enumerate(self.stages):
+            if isinstance(stage.downsample, LevitDownsample):
+                attn = stage.downsample.attn_downsample
+                stage.downsample.register_forward_pre_hook(_SubsampleGridHook(layouts[i - 1], layouts[i],
+                                                                              attn.stride))
+                self._blocks[f"stages.{i}.downsample"] = (len(self._blocks), attn.num_heads)
+            for j, block in enumerate(stage.blocks):
+                self._blocks[f"stages.{i}.blocks.{j}"] = (len(self._blocks), block.attn.num_heads)
+            for name, module in list(stage.named_modules()):
+                if type(module) is LinearNorm:
+                    parent, _, attr = name.rpartition(".")
+                    setattr(stage.get_submodule(parent), attr,
+                            TokenLinearNorm.from_timm(module, self._token_layout(i, name)))
+        self.norm_keep = ["head.bn", "head_dist.bn"]  # BN_Linear on pooled vectors: no tokens, no grid
+        self.feature_channels = list(self.embed_dim)
+        self.feature_strides = [stem_stride * 2 ** i for i in range(len(self.stages))]
+
+    def _token_layout(self, stage: int, name: str) -> TokenLayout:
+        """Layout of the tokens a LinearNorm at ``name`` (inside ``stages[stage]``) sees."""
+        # the subsample attention's keys/values are computed on the previous stage's grid
+        kv = name.startswith("downsample.attn_downsample.kv")
+        return self.stage_layouts[stage - 1 if kv else stage]
+
+    def norm_context(self, name: str) -> dict[str, Any]:
+        """Context for the norm slot ``name``: its block index, head count and token layout."""
+        channels = self.get_submodule(name).num_features
+        parts = name.split(".")
+        if parts[0] == "stages":
+            stage = int(parts[1])
+            prefix = ".".join(parts[:4] if parts[2] == "blocks" else parts[:3])
+            block, heads = self._blocks[prefix]
+            layout = self._token_layout(stage, ".".join(parts[2:]))
+        else:  # stem maps (nearest stage: 0) and classifiers (last stage) carry no token layout
+            block, layout = None, None
+            stage = 0 if parts[0] == "stem" else len(self.stages) - 1
+            heads = self.stages[stage].blocks[0].attn.num_heads
+        return {"block": block, "num_heads": slot_heads(channels, heads), "layout": layout,
+                "num_prefix_tokens": 0}
+
+    def _check_size(self, x: torch.Tensor) -> None:
+        if tuple(x.shape[-2:]) != self.img_size:
+            raise ValueError(f"LeViT is fixed-resolution: built for {self.img_size}, got input "
+                             f"{tuple(x.shape[-2:])} (set img_size; the attention biases depend on it)")
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_size(x)
+        return super().forward_features(x)
+
+    def features(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The stage maps, NCHW, at ``feature_strides``."""
+        self._check_size(x)
+        x = self.stem(x).flatten(2).transpose(1, 2)
+        maps = []
+        for stage, layout in zip(self.stages, self.stage_layouts, strict=True):
+            x = stage(x)
+            maps.append(x.transpose(1, 2).reshape(x.shape[0], x.shape[2], *layout.grid))
+        return maps
+
+
+class LeViT(_LeViTNorms, Levit):
+    """Single-head LeViT (``distilled=False``)."""
+
+
+class LeViTDistilled(_LeViTNorms, LevitDistilled):
+    """LeViT with the distillation head, averaged with the class head (timm's default build)."""
+
+
+def _levit(arch: dict[str, Any], **kwargs: Any) -> nn.Module:
+    kwargs = {**arch, **kwargs}
+    distilled = kwargs.pop("distilled", True)
+    return (LeViTDistilled if distilled else LeViT)(**kwargs)
+
+
+@register_model
+def levit_micro(**kwargs: Any) -> nn.Module:
+    return _levit(dict(img_size=16, stem_stride=2, embed_dim=(64, 96, 128), key_dim=16, num_heads=(2, 3, 4),
+                       depth=(1, 1, 1)), **kwargs)
+
+
+@register_model
+def levit_128s(**kwargs: Any) -> nn.Module:
+    return _levit(dict(embed_dim=(128, 256, 384), key_dim=16, num_heads=(4, 6, 8), depth=(2, 3, 4)), **kwargs)
+
+
+@register_model
+def levit_128(**kwargs: Any) -> nn.Module:
+    return _levit(dict(embed_dim=(128, 256, 384), key_dim=16, num_heads=(4, 8, 12), depth=(4, 4, 4)),
+                  **kwargs)
+
+
+@register_model
+def levit_192(**kwargs: Any) -> nn.Module:
+    return _levit(dict(embed_dim=(192, 288, 384), key_dim=32, num_heads=(3, 5, 6), depth=(4, 4, 4)), **kwargs)
+
+
+@register_model
+def levit_256(**kwargs: Any) -> nn.Module:
+    return _levit(dict(embed_dim=(256, 384, 512), key_dim=32, num_heads=(4, 6, 8), depth=(4, 4, 4)), **kwargs)
+
+
+@register_model
+def levit_384(**kwargs: Any) -> nn.Module:
+    return _levit(dict(embed_dim=(384, 512, 768), key_dim=32, num_heads=(6, 9, 12), depth=(4, 4, 4),
+                       drop_path_rate=0.1), **kwargs)

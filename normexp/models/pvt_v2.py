@@ -1,0 +1,140 @@
+"""PVT v2 (Wang et al., CVMJ 2022) on timm's ``PyramidVisionTransformerV2``.
+
+timm's definitions give the official parameter counts (params.md 4: B0 3.7M ... B5 82.0M, README figures;
+the paper's 3.4M / 13.1M for B0 / B1 predate a README fix). Sizes: B0 C = 32/64/160/256, B1-B5
+C = 64/128/320/512; heads 1/2/5/8; R = 8/4/2/1; E = 8/8/4/4 (B5: 4/4/4/4); depths B0/B1 2-2-2-2, B2 3-4-6-3,
+B3 3-4-18-3, B4 3-8-27-3, B5 3-6-40-3; B2-Li = B2 with linear SRA (7x7 average pool + 1x1 conv).
+
+What this subclass adds: ``norm_context`` for the norm-slot swap, one :class:`TokenLayout` per stage,
+``features()`` and the ``img_size`` keyword every backbone takes (PVT v2 has no position embedding, so any
+input size runs; ``img_size`` is only recorded). Norm slots and what each sees:
+
+* ``patch_embed.norm`` / ``stages.{i}.downsample.norm``: the overlapping patch embedding's (B, H, W, C) map
+  (the grid is in the shape).
+* ``stages.{i}.blocks.{j}.norm1`` / ``norm2`` and the stage-final ``stages.{i}.norm``: the stage's (B, N, C)
+  tokens (timm passes H, W separately). Their layout's grid is set by a forward hook on the stage's
+  patch-embedding conv (``patch_embed.proj`` for stage 0, ``stages.{i}.downsample.proj`` after), so it
+  follows the input size.
+* ``stages.{i}.blocks.{j}.attn.norm`` (R > 1, or every stage with ``linear=True``): the tokens after the
+  spatial-reduction conv, on the reduced grid (H // R, W // R), or 7x7 after the linear variant's adaptive
+  pool. They get a layout of their own per stage, set by a forward hook on ``attn.sr`` from its output, so
+  the grid is exact for every input size (not listed in ``norm_keep``).
+
+There is no class token (mean pooling), so every layout has ``num_prefix_tokens=0``. By default
+``norm=<x>`` replaces every slot (``norm.placement.keep`` narrows it).
+
+``pvt_v2_micro`` is the CPU-demo member: B0's widths and heads (C = 32/64/160/256, heads 1/2/5/8) at 16 px,
+one block per stage, the overlapping stem at stride 1 (patch 3) instead of 4 (patch 7), so the stage grids
+are 16, 8, 4, 2 (strides 1, 2, 4, 8; a 1x1 last stage would leave instance norm a single token), and
+R = 4/2/1/1 (kv grids 4x4, 4x4, 4x4, 2x2, as B0 keeps them 7x7 at 224 px).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from timm.models.pvt_v2 import OverlapPatchEmbed, PyramidVisionTransformerV2
+from torch import nn
+
+from ..norms.layout import TokenLayout
+from .pvt import GridHook
+from .registry import register_model
+
+
+class PVTv2(PyramidVisionTransformerV2):
+    """timm's PVT v2 that tells each norm slot its block, head count and token layout (``norm_context``)."""
+
+    def __init__(self, img_size: int | tuple[int, int] = 224, stem_patch_size: int = 7, stem_stride: int = 4,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.img_size = img_size
+        if (stem_patch_size, stem_stride) != (7, 4):  # timm builds the 7/4 stem; the micro one is smaller
+            self.patch_embed = OverlapPatchEmbed(patch_size=stem_patch_size, stride=stem_stride,
+                                                 in_chans=self.in_chans,
+                                                 embed_dim=self.feature_info[0]["num_chs"])
+            self.patch_embed.apply(self._init_weights)
+        for i, info in enumerate(self.feature_info):
+            info["reduction"] = stem_stride * 2 ** i
+        self.feature_channels = [info["num_chs"] for info in self.feature_info]
+        self.feature_strides = [info["reduction"] for info in self.feature_info]
+        self.block_offsets = [sum(self.depths[:i]) for i in range(len(self.stages))]
+
+        # one layout per stage for its tokens and one for the reduced grid of its sr-branch norms
+        self.stage_layouts = [TokenLayout(num_prefix_tokens=0) for _ in self.stages]
+        self.sr_layouts = [TokenLayout(num_prefix_tokens=0) for _ in self.stages]
+        for i, stage in enumerate(self.stages):
+            embed = self.patch_embed if stage.downsample is None else stage.downsample
+            embed.proj.register_forward_hook(GridHook(self.stage_layouts[i]))
+            for blk in stage.blocks:
+                if blk.attn.sr is not None:
+                    blk.attn.sr.register_forward_hook(GridHook(self.sr_layouts[i]))
+
+    def norm_context(self, name: str) -> dict[str, Any]:
+        """Block index, head count and token layout of the norm slot ``name`` (see the module docstring)."""
+        if name.startswith("patch_embed."):
+            stage, block, layout = 0, None, self.stage_layouts[0]
+        elif m := re.match(r"stages\.(\d+)\.blocks\.(\d+)\.", name):
+            stage = int(m.group(1))
+            block = self.block_offsets[stage] + int(m.group(2))
+            sr_norm = name.startswith(f"{m.group(0)}attn.norm")
+            layout = self.sr_layouts[stage] if sr_norm else self.stage_layouts[stage]
+        elif m := re.match(r"stages\.(\d+)\.(downsample\.)?norm\b", name):
+            stage, block, layout = int(m.group(1)), None, self.stage_layouts[int(m.group(1))]
+        else:
+            raise ValueError(f"PVT v2 has no norm slot '{name}'")
+        return {"block": block, "num_heads": self.stages[stage].blocks[0].attn.num_heads, "layout": layout,
+                "num_prefix_tokens": 0}
+
+    def features(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The 4 stage maps (after each stage's norm), NCHW, strides ``feature_strides`` (4, 8, 16, 32)."""
+        return self.forward_intermediates(x, intermediates_only=True)
+
+
+def _pvt_v2(arch: dict[str, Any], **kwargs: Any) -> nn.Module:
+    return PVTv2(**{**arch, **kwargs})
+
+
+_B1 = dict(embed_dims=(64, 128, 320, 512), num_heads=(1, 2, 5, 8))
+
+
+@register_model
+def pvt_v2_micro(**kwargs: Any) -> PVTv2:
+    return _pvt_v2(dict(img_size=16, stem_patch_size=3, stem_stride=1, embed_dims=(32, 64, 160, 256),
+                        num_heads=(1, 2, 5, 8), depths=(1, 1, 1, 1), sr_ratios=(4, 2, 1, 1)), **kwargs)
+
+
+@register_model
+def pvt_v2_b0(**kwargs: Any) -> PVTv2:
+    return _pvt_v2(dict(depths=(2, 2, 2, 2), embed_dims=(32, 64, 160, 256), num_heads=(1, 2, 5, 8)), **kwargs)
+
+
+@register_model
+def pvt_v2_b1(**kwargs: Any) -> PVTv2:
+    return _pvt_v2(dict(depths=(2, 2, 2, 2), **_B1), **kwargs)
+
+
+@register_model
+def pvt_v2_b2(**kwargs: Any) -> PVTv2:
+    return _pvt_v2(dict(depths=(3, 4, 6, 3), **_B1), **kwargs)
+
+
+@register_model
+def pvt_v2_b2_li(**kwargs: Any) -> PVTv2:
+    return _pvt_v2(dict(depths=(3, 4, 6, 3), linear=True, **_B1), **kwargs)
+
+
+@register_model
+def pvt_v2_b3(**kwargs: Any) -> PVTv2:
+    return _pvt_v2(dict(depths=(3, 4, 18, 3), **_B1), **kwargs)
+
+
+@register_model
+def pvt_v2_b4(**kwargs: Any) -> PVTv2:
+    return _pvt_v2(dict(depths=(3, 8, 27, 3), **_B1), **kwargs)
+
+
+@register_model
+def pvt_v2_b5(**kwargs: Any) -> PVTv2:
+    return _pvt_v2(dict(depths=(3, 6, 40, 3), mlp_ratios=(4, 4, 4, 4), **_B1), **kwargs)

@@ -1,0 +1,124 @@
+"""Swin Transformer (Liu et al. 2021) on timm's ``SwinTransformer``.
+
+Sizes follow the official configs (params.md sec 2): patch 4, window 7, embed 96 / 96 / 128, depths
+2-2-6-2 / 2-2-18-2 / 2-2-18-2, heads 3-6-12-24 / 3-6-12-24 / 4-8-16-32. ``swin_micro`` is the same
+architecture scaled down for the CPU demo: 16 px input, patch 1, window 4, 24 wide, depths 1-1-2-1,
+heads 1-2-4-8 (stage grids 16, 8, 4, 2: window 4 divides the first three, timm shrinks it to the 2x2
+last stage, and no stage is 1x1 -- a 1x1 stage leaves instance/token statistics a single token).
+
+Norm slots and what they see (timm 1.0.31 ``swin_transformer.py``):
+
+* ``patch_embed.norm``: the (B, H, W, C) patch map of stage 0;
+* ``layers.i.downsample.norm`` (patch merging, stages 1-3): the merged (B, H/2, W/2, 4C) map of stage i;
+* ``layers.i.blocks.j.norm1``: the (B, H, W, C) stage map, *before* the window partition -- so a
+  grid-aware normalizer (DTN) takes its statistics over the whole stage map (average-pooled to DTN's
+  ``pool_size`` above 14x14), not per window;
+* ``layers.i.blocks.j.norm2``: the same tokens flattened to (B, H*W, C) (timm reshapes before the MLP);
+  these get the stage's :class:`TokenLayout`, set on every forward by a hook on the stage's patch
+  embedding (``layers.i.downsample``: patch merging, or the identity in stage 0, whose output is the
+  stage's map);
+* ``norm``: the final (B, H, W, C) map of stage 3.
+
+Every slot is on its stage's grid, so nothing is kept (``norm_keep`` is empty). ``num_heads`` is the head
+count of the stage the slot belongs to (a merged map belongs to the stage it starts).
+
+``img_size`` sets the grid the attention masks are built for; ``dynamic_img_size=True`` (timm's
+``strict_img_size=False``) accepts any size divisible by the patch. ``features(x)`` returns the four
+stage maps (before the final norm, as timm's ``features_only``) in NCHW at strides
+``patch_size * (1, 2, 4, 8)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from timm.models.swin_transformer import SwinTransformer
+from torch import nn
+
+from ..norms.layout import TokenLayout
+from .registry import register_model
+
+
+class _GridHook:
+    """Forward hook: the (B, H, W, C) output of a stage's patch embedding sets the stage's token grid.
+
+    A plain object rather than a closure so that ``copy.deepcopy`` (EMA) keeps it tied to the copied layout.
+    """
+
+    def __init__(self, layout: TokenLayout) -> None:
+        self.layout = layout
+
+    def __call__(self, _module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+        self.layout.set_grid(output.shape[1], output.shape[2])
+
+
+class Swin(SwinTransformer):
+    """timm's Swin that tells each norm slot its block, head count and token layout (``norm_context``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stage_layouts = [TokenLayout(num_prefix_tokens=0) for _ in self.layers]
+        self._block_offset = []
+        offset = 0
+        for stage, layout in zip(self.layers, self.stage_layouts, strict=True):
+            stage.downsample.register_forward_hook(_GridHook(layout))
+            self._block_offset.append(offset)
+            offset += len(stage.blocks)
+        self.norm_keep: list[str] = []
+        patch = self.patch_embed.patch_size[0]
+        self.feature_channels = [stage.blocks[0].dim for stage in self.layers]
+        self.feature_strides = [patch * 2 ** i for i in range(len(self.layers))]
+
+    def norm_context(self, name: str) -> dict[str, Any]:
+        """Context for the norm slot ``name``: its block index, head count and stage token layout."""
+        parts = name.split(".")
+        block = None
+        if parts[0] == "layers":
+            stage = int(parts[1])
+            if parts[2] == "blocks":
+                block = self._block_offset[stage] + int(parts[3])
+        elif parts[0] == "patch_embed":
+            stage = 0
+        else:  # final norm (and anything after the last stage)
+            stage = len(self.layers) - 1
+        layout = self.stage_layouts[stage]
+        return {"block": block, "num_heads": self.layers[stage].blocks[0].attn.num_heads, "layout": layout,
+                "num_prefix_tokens": layout.num_prefix_tokens}
+
+    def features(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The stage maps, NCHW, at ``feature_strides`` (timm's stage outputs, no extra norm)."""
+        x = self.patch_embed(x)
+        maps = []
+        for stage in self.layers:
+            x = stage(x)
+            maps.append(x.permute(0, 3, 1, 2).contiguous())
+        return maps
+
+
+def _swin(arch: dict[str, Any], **kwargs: Any) -> Swin:
+    return Swin(**{**arch, **kwargs})
+
+
+@register_model
+def swin_micro(**kwargs: Any) -> Swin:
+    return _swin(dict(img_size=16, patch_size=1, window_size=4, embed_dim=24, depths=(1, 1, 2, 1),
+                      num_heads=(1, 2, 4, 8), drop_path_rate=0.0), **kwargs)
+
+
+@register_model
+def swin_tiny(**kwargs: Any) -> Swin:
+    return _swin(dict(patch_size=4, window_size=7, embed_dim=96, depths=(2, 2, 6, 2),
+                      num_heads=(3, 6, 12, 24), drop_path_rate=0.2), **kwargs)
+
+
+@register_model
+def swin_small(**kwargs: Any) -> Swin:
+    return _swin(dict(patch_size=4, window_size=7, embed_dim=96, depths=(2, 2, 18, 2),
+                      num_heads=(3, 6, 12, 24), drop_path_rate=0.3), **kwargs)
+
+
+@register_model
+def swin_base(**kwargs: Any) -> Swin:
+    return _swin(dict(patch_size=4, window_size=7, embed_dim=128, depths=(2, 2, 18, 2),
+                      num_heads=(4, 8, 16, 32), drop_path_rate=0.5), **kwargs)

@@ -1,0 +1,363 @@
+"""T2T-ViT (Yuan et al., ICCV 2021), written from the architecture facts in params.md sec 6 and 9.
+
+timm has no T2T-ViT and the official code is under the Clear BSD licence, so this is a clean-room
+implementation from the published description (params.md 9; protocols.md 1.5), not a port.
+
+Structure (params.md 9.2-9.5), shapes at 224 px with the published soft-split schedule:
+
+* **Tokens-to-token module** (``tokens_to_token``): three overlapping soft splits (``nn.Unfold``) with
+  (kernel, stride, padding) = (7, 4, 2), (3, 2, 1), (3, 2, 1). Between them a T2T layer (``layers.0`` on the
+  56x56 grid, 147 -> 64 channels; ``layers.1`` on the 28x28 grid, 576 -> 64) works on the tokens, which are
+  then re-structured into a 64-channel map for the next split. The last split (14x14, 576 channels) is
+  projected to the backbone width D by ``project``.
+  - Performer layer (default, ``tokens_type="performer"``, params.md 9.3): LN, Linear(in, 3*64) with bias
+    split k, q, v; 32 frozen orthogonal random features (x sqrt(32)); linear attention in float32;
+    ``v + Dropout(0.1)(proj(y))``; LN + MLP(64 -> 64 -> 64) + Dropout(0.1).
+  - Transformer layer (``tokens_type="transformer"``, the T2T-ViT_t models, params.md 9.4): LN, qkv without
+    bias, one head, softmax attention scaled by ``in_dim ** -0.5`` (the published quirk), ``v + proj(y)``,
+    LN + MLP(64 -> 64 -> 64), no dropout.
+* **Backbone**: a class token (trunc-normal 0.02) is prepended from the start, a *fixed sinusoidal* position
+  table is added (a ``requires_grad=False`` Parameter, as published, so the parameter counts match the README,
+  which counts it), then ``depth`` pre-norm ViT blocks (timm's ``Block``: qkv without bias, LN eps 1e-5,
+  drop path rising linearly to ``drop_path_rate``), the final LN on the class token and a linear head.
+
+Parameter counts (224 px, 1000 classes, frozen parameters included as the README does) equal the official
+exact counts of params.md 6 to the parameter, for both T2T layer types.
+
+Beyond the published model (documented choices):
+
+* The re-structurisation uses the grid each soft split produces (from the input size and the unfold
+  parameters), not the square root of the token count, so non-square inputs work.
+* At an input size other than ``img_size`` the sinusoidal table is recomputed for the new token count -- the
+  exact table a model built at that size holds (it is a fixed function of the count), never interpolated.
+* ``t2t_vit_micro`` (the CPU digits demo) is the same architecture at 16 px with the soft-split schedule
+  (3, 1, 1), (3, 2, 1), (3, 1, 1): the T2T layers see 16x16 then 8x8 tokens and the backbone an 8x8 grid
+  (64 tokens + class token, total stride 2, like ``vit_micro``), T2T width 32, backbone 96 wide, 4 blocks,
+  4 heads, MLP ratio 2.
+
+Norm slots and their context (``norm_context``): every LayerNorm of both parts is a slot.
+
+* ``tokens_to_token.layers.{i}.norm1/norm2``: T2T layer i, ``block`` = i (the T2T layers are the first
+  transformer blocks in forward order), ``num_heads`` = 1 (the published single head, so DTN there has
+  H = 1), ``layout`` = the layout of layer i's own grid (56x56 then 28x28 at 224 px), no prefix tokens.
+  Both norms of a layer see its grid: norm1 the soft-split tokens (in_dim wide), norm2 the 64-wide tokens.
+* ``blocks.{j}.norm1/norm2``: ``block`` = j + 2, the backbone head count, the backbone layout (1 class token
+  + the final grid, 14x14 at 224 px). ``norm`` (final) and the pyramid's LayerNorm2d: ``block`` None,
+  backbone head count and layout.
+
+Each soft split owns the :class:`TokenLayout` of the tokens it produces and updates it in a forward pre-hook
+from its input size, so the grids follow the input size. No slot sees tokens off its layout's grid, so
+``norm_keep`` is empty.
+
+``pyramid_scales`` (e.g. ``(4, 2, 1, 0.5)``) adds ViTDet's simple feature pyramid: ``features(x)`` returns
+NCHW maps at strides ``total_stride / scale`` from the last block's grid tokens (as ``ViT.features``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Mlp, trunc_normal_, use_fused_attn
+from timm.models.vision_transformer import Block
+from torch import nn
+
+from ..norms.layout import TokenLayout
+from .pyramid import SimpleFeaturePyramid
+from .registry import register_model
+
+# (kernel, stride, padding) of the three soft splits (params.md 9.2)
+PUBLISHED_SOFT_SPLIT = ((7, 4, 2), (3, 2, 1), (3, 2, 1))
+MICRO_SOFT_SPLIT = ((3, 1, 1), (3, 2, 1), (3, 1, 1))
+
+
+def sinusoid_table(num_tokens: int, dim: int, device: torch.device | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(1, num_tokens, dim) sin/cos table, base 10000: sin on even channels, cos on odd (Vaswani et al.)."""
+    pos = torch.arange(num_tokens, device=device, dtype=torch.float64)[:, None]
+    chan = torch.arange(dim, device=device)
+    angle = pos / torch.pow(10000.0, (2 * (chan // 2)).double() / dim)
+    table = torch.where(chan % 2 == 0, torch.sin(angle), torch.cos(angle))
+    return table.to(dtype)[None]
+
+
+class SoftSplit(nn.Unfold):
+    """Overlapping soft split: (B, C, H, W) map -> (B, h*w, C*k*k) tokens (params.md 9.2).
+
+    Owns the :class:`TokenLayout` of the tokens it produces and sets its grid before every forward
+    (a pre-hook bound to this module, so ``copy.deepcopy`` -- EMA -- rebinds it to the copy's layout).
+    """
+
+    def __init__(self, kernel_size: int, stride: int, padding: int, layout: TokenLayout) -> None:
+        super().__init__(kernel_size, stride=stride, padding=padding)
+        self.k, self.s, self.p = kernel_size, stride, padding
+        self.layout = layout  # shared with the norms that see these tokens; plain object, not a submodule
+        self.register_forward_pre_hook(self._track_grid)
+
+    def out_grid(self, height: int, width: int) -> tuple[int, int]:
+        return ((height + 2 * self.p - self.k) // self.s + 1, (width + 2 * self.p - self.k) // self.s + 1)
+
+    def _track_grid(self, _module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        self.layout.set_grid(*self.out_grid(*args[0].shape[-2:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).transpose(1, 2)
+
+
+class PerformerT2TLayer(nn.Module):
+    """Performer T2T layer (params.md 9.3): single-head linear attention with m = kernel_ratio * dim frozen
+    orthogonal random features, residual from v (the widths differ), then LN + MLP."""
+
+    def __init__(self, in_dim: int, dim: int = 64, mlp_ratio: float = 1.0, kernel_ratio: float = 0.5,
+                 drop: float = 0.1) -> None:
+        super().__init__()
+        self.dim, self.num_heads = dim, 1
+        self.norm1 = nn.LayerNorm(in_dim)
+        self.kqv = nn.Linear(in_dim, 3 * dim)  # with bias, split k, q, v
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(drop)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), dim, drop=(0.0, drop))  # dropout after the MLP only
+        m = int(dim * kernel_ratio)
+        # Frozen random features, kept as a Parameter as published (counted, saved in the state dict).
+        self.w = nn.Parameter(nn.init.orthogonal_(torch.empty(m, dim)) * math.sqrt(m), requires_grad=False)
+
+    def feature_map(self, x: torch.Tensor) -> torch.Tensor:
+        """phi(x) = exp(w x - |x|^2 / 2) / sqrt(m); the exponent is at most |w_i|^2 / 2 = m / 2."""
+        m = self.w.shape[0]
+        return torch.exp(x @ self.w.t() - 0.5 * x.square().sum(-1, keepdim=True)) / math.sqrt(m)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        k, q, v = self.kqv(x).chunk(3, dim=-1)
+        with torch.autocast(device_type=x.device.type, enabled=False):  # exp and the ratio in float32
+            k, q, vf = k.float(), q.float(), v.float()
+            qp, kp = self.feature_map(q), self.feature_map(k)  # (B, N, m)
+            denom = qp @ kp.sum(dim=1, keepdim=True).transpose(1, 2)  # (B, N, 1)
+            y = (qp @ (kp.transpose(1, 2) @ vf)) / (denom + 1e-8)
+        return v + self.proj_drop(self.proj(y.to(v.dtype)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TransformerT2TLayer(nn.Module):
+    """Transformer T2T layer (params.md 9.4): single-head softmax attention (qkv without bias) scaled by the
+    *input* width ``in_dim ** -0.5`` as published, residual from v, then LN + MLP; no dropout."""
+
+    def __init__(self, in_dim: int, dim: int = 64, mlp_ratio: float = 1.0) -> None:
+        super().__init__()
+        self.dim, self.num_heads = dim, 1
+        self.scale = in_dim ** -0.5
+        self.norm1 = nn.LayerNorm(in_dim)
+        self.qkv = nn.Linear(in_dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), dim)
+        self.fused_attn = use_fused_attn()  # timm's switch, as in its Attention (explicit matmuls if off)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        if self.fused_attn:
+            y = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        else:
+            y = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+        x = v + self.proj(y)
+        return x + self.mlp(self.norm2(x))
+
+
+class TokensToToken(nn.Module):
+    """Soft split -> T2T layer -> re-structurise, twice, then a last soft split and ``project`` to D."""
+
+    def __init__(self, in_chans: int, embed_dim: int, layouts: Sequence[TokenLayout],
+                 soft_split: Sequence[Sequence[int]] = PUBLISHED_SOFT_SPLIT, token_dim: int = 64,
+                 tokens_type: str = "performer", mlp_ratio: float = 1.0, kernel_ratio: float = 0.5,
+                 drop: float = 0.1) -> None:
+        super().__init__()
+        if len(soft_split) != 3 or len(layouts) != 3:
+            raise ValueError("T2T needs three soft splits (kernel, stride, padding) and three layouts")
+        splits = [SoftSplit(*kps, layout) for kps, layout in zip(soft_split, layouts, strict=True)]
+        self.soft_splits = nn.ModuleList(splits)
+        in_dims = [in_chans * soft_split[0][0] ** 2, token_dim * soft_split[1][0] ** 2]
+        if tokens_type == "performer":
+            layers = [PerformerT2TLayer(d, token_dim, mlp_ratio, kernel_ratio, drop) for d in in_dims]
+        elif tokens_type == "transformer":
+            layers = [TransformerT2TLayer(d, token_dim, mlp_ratio) for d in in_dims]
+        else:
+            raise ValueError(f"tokens_type must be 'performer' or 'transformer', got '{tokens_type}'")
+        self.layers = nn.ModuleList(layers)
+        self.project = nn.Linear(token_dim * soft_split[2][0] ** 2, embed_dim)
+        self.stride = math.prod(s for _, s, _ in soft_split)
+
+    def out_grid(self, height: int, width: int) -> tuple[int, int]:
+        for split in self.soft_splits:
+            height, width = split.out_grid(height, width)
+        return height, width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for split, layer in zip(self.soft_splits[:-1], self.layers, strict=True):
+            h, w = split.out_grid(*x.shape[-2:])
+            x = layer(split(x))  # (B, h*w, token_dim)
+            x = x.transpose(1, 2).reshape(x.shape[0], -1, h, w)  # re-structurise to a map
+        return self.project(self.soft_splits[-1](x))
+
+
+class T2TViT(nn.Module):
+    """T2T-ViT: the tokens-to-token module, then a class-token ViT with a fixed sinusoidal position table."""
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 384,
+        depth: int = 14,
+        num_heads: int = 6,
+        mlp_ratio: float = 3.0,
+        qkv_bias: bool = False,
+        tokens_type: str = "performer",
+        token_dim: int = 64,
+        token_mlp_ratio: float = 1.0,
+        kernel_ratio: float = 0.5,
+        t2t_drop_rate: float = 0.1,
+        soft_split: Sequence[Sequence[int]] = PUBLISHED_SOFT_SPLIT,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        pyramid_scales: Sequence[float] | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_classes, self.embed_dim, self.num_heads = num_classes, embed_dim, num_heads
+        self.num_features = embed_dim
+        self.num_prefix_tokens = 1
+        self.tokens_type = tokens_type
+        # One layout per grid: the two T2T layers' grids (no prefix) and the backbone's (class token first).
+        self.t2t_layouts = [TokenLayout(num_prefix_tokens=0), TokenLayout(num_prefix_tokens=0)]
+        self.token_layout = TokenLayout(num_prefix_tokens=1)
+        # T2T layers: the published hard-coded dropout applies to the Performer only (params.md 9.3-9.4)
+        self.tokens_to_token = TokensToToken(
+            in_chans, embed_dim, [*self.t2t_layouts, self.token_layout], soft_split, token_dim, tokens_type,
+            token_mlp_ratio, kernel_ratio, t2t_drop_rate)
+        self.stride = self.tokens_to_token.stride
+        grid = self.tokens_to_token.out_grid(img_size, img_size)
+
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        # Fixed table held as a frozen Parameter, as published: the README's counts include it.
+        self.pos_embed = nn.Parameter(sinusoid_table(grid[0] * grid[1] + 1, embed_dim), requires_grad=False)
+        self.pos_drop = nn.Dropout(drop_rate)
+        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # linspace, meta-device safe
+        self.blocks = nn.Sequential(*[
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias=qkv_bias, proj_drop=drop_rate,
+                  attn_drop=attn_drop_rate, drop_path=dpr[i], norm_layer=nn.LayerNorm)
+            for i in range(depth)])
+        self.norm = nn.LayerNorm(embed_dim)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+
+        trunc_normal_(self.cls_token, std=0.02)
+        self.apply(self._init_weights)
+        self.pyramid = None
+        if pyramid_scales is not None:
+            self.pyramid = SimpleFeaturePyramid(embed_dim, self.stride, tuple(pyramid_scales))
+            self.feature_channels, self.feature_strides = self.pyramid.channels, self.pyramid.strides
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        """params.md 9.5: Linear trunc-normal 0.02 with zero bias; LayerNorm 1 / 0."""
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return {"cls_token", "pos_embed"}
+
+    def norm_context(self, name: str) -> dict[str, Any]:
+        """Context for the norm slot ``name``: its block index, head count and token layout."""
+        parts = name.split(".")
+        num_t2t = len(self.tokens_to_token.layers)
+        if name.startswith("tokens_to_token.layers."):
+            i = int(parts[2])
+            block, num_heads, layout = i, self.tokens_to_token.layers[i].num_heads, self.t2t_layouts[i]
+        elif name.startswith("blocks."):
+            j = int(parts[1])
+            block, num_heads, layout = num_t2t + j, self.blocks[j].attn.num_heads, self.token_layout
+        else:  # final norm, pyramid: nearest stage is the backbone
+            block, num_heads, layout = None, self.num_heads, self.token_layout
+        return {"block": block, "num_heads": num_heads, "layout": layout,
+                "num_prefix_tokens": layout.num_prefix_tokens}
+
+    def _pos_embed(self, num_tokens: int, x: torch.Tensor) -> torch.Tensor:
+        if num_tokens == self.pos_embed.shape[1]:
+            return self.pos_embed
+        # Another input size: the table a model built for this size holds (fixed, not interpolated).
+        return sinusoid_table(num_tokens, self.embed_dim, x.device, x.dtype)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tokens_to_token(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.pos_drop(x + self._pos_embed(x.shape[1], x))
+        x = self.blocks(x)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = x[:, 0]
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def features(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """NCHW maps of the simple pyramid (needs ``pyramid_scales``) from the last block's grid tokens."""
+        if self.pyramid is None:
+            raise RuntimeError("build the T2T-ViT with pyramid_scales=(4, 2, 1, 0.5) to use features()")
+        tokens = self.forward_features(x)[:, self.num_prefix_tokens:]
+        h, w = self.token_layout.grid
+        return self.pyramid(tokens.transpose(1, 2).reshape(x.shape[0], -1, h, w))
+
+
+def _t2t(arch: dict[str, Any], **kwargs: Any) -> T2TViT:
+    return T2TViT(**{**arch, **kwargs})
+
+
+@register_model
+def t2t_vit_micro(**kwargs: Any) -> T2TViT:
+    """Demo size: 16 px, soft splits (3,1,1), (3,2,1), (3,1,1) -> 16x16, 8x8, 8x8 tokens (stride 2)."""
+    return _t2t(dict(img_size=16, soft_split=MICRO_SOFT_SPLIT, token_dim=32, embed_dim=96, depth=4,
+                     num_heads=4, mlp_ratio=2.0), **kwargs)
+
+
+@register_model
+def t2t_vit_7(**kwargs: Any) -> T2TViT:
+    return _t2t(dict(embed_dim=256, depth=7, num_heads=4, mlp_ratio=2.0), **kwargs)
+
+
+@register_model
+def t2t_vit_10(**kwargs: Any) -> T2TViT:
+    return _t2t(dict(embed_dim=256, depth=10, num_heads=4, mlp_ratio=2.0), **kwargs)
+
+
+@register_model
+def t2t_vit_12(**kwargs: Any) -> T2TViT:
+    return _t2t(dict(embed_dim=256, depth=12, num_heads=4, mlp_ratio=2.0), **kwargs)
+
+
+@register_model
+def t2t_vit_14(**kwargs: Any) -> T2TViT:
+    return _t2t(dict(embed_dim=384, depth=14, num_heads=6, mlp_ratio=3.0), **kwargs)
+
+
+@register_model
+def t2t_vit_19(**kwargs: Any) -> T2TViT:
+    return _t2t(dict(embed_dim=448, depth=19, num_heads=7, mlp_ratio=3.0), **kwargs)
+
+
+@register_model
+def t2t_vit_24(**kwargs: Any) -> T2TViT:
+    return _t2t(dict(embed_dim=512, depth=24, num_heads=8, mlp_ratio=3.0), **kwargs)

@@ -1,0 +1,145 @@
+"""Swin sizes vs the official counts, every normalizer in every slot, whole-map DTN, features, recipe."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import compose_cfg
+from torch import nn
+
+from normexp.models import build_backbone, create_model
+from normexp.models.build import norm_settings
+from normexp.models.stats import count_gmacs
+from normexp.norms import get_norm_class, list_norms, norm_layer_factory, replace_norms
+from normexp.norms.dtn import DTN
+from normexp.norms.placement import norm_slots
+
+# params.md sec 2: exact counts of the official code (= timm), and the README's rounding (M)
+PAPER = {"swin_tiny": (28_288_354, 28), "swin_small": (49_606_258, 50), "swin_base": (87_768_224, 88)}
+
+
+def count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_parameter_counts_match_the_paper(name):
+    exact, readme = PAPER[name]
+    ours = count(create_model(name, num_classes=1000, img_size=224))
+    print(f"{name} | {ours / 1e6:.1f}M ({ours:,}) | {readme}M ({exact:,})")
+    assert ours == exact and round(ours / 1e6) == readme
+
+
+def test_micro_member_size():
+    model = create_model("swin_micro", num_classes=10)
+    params, gmacs = count(model), count_gmacs(model, (3, 16, 16))
+    print(f"swin_micro | {params / 1e6:.3f}M | {gmacs:.4f} GMACs")
+    assert params < 1e6 and gmacs < 0.05
+
+
+@pytest.fixture(scope="module")
+def swin_tiny_64() -> nn.Module:
+    """Swin-T at 64 px (stage grids 16, 8, 4, 2), built once: each test swaps norms in a copy."""
+    return create_model("swin_tiny", img_size=64, num_classes=10)
+
+
+def check_every_slot(model: nn.Module, slots: list[str], norm: str, size: int) -> None:
+    assert {type(model.get_submodule(s)) for s in slots} == {get_norm_class(norm)}  # every slot, none kept
+    out = model(torch.randn(2, 3, size, size))
+    out.sum().backward()
+    assert out.shape == (2, 10) and torch.isfinite(out).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("norm", list_norms())
+def test_every_norm_runs_in_every_slot_of_the_micro(norm):
+    cfg = compose_cfg("backbone=swin_micro", f"norm={norm}")
+    model = build_backbone(cfg.backbone, cfg.norm)
+    check_every_slot(model, norm_slots(create_model("swin_micro")), norm, 16)
+
+
+@pytest.mark.parametrize("norm", list_norms())
+def test_every_norm_runs_in_every_slot_of_swin_tiny(swin_tiny_64, norm):
+    name, hparams, _ = norm_settings(compose_cfg("backbone=swin_tiny", f"norm={norm}").norm)
+    model = copy.deepcopy(swin_tiny_64)  # = build_backbone(backbone=swin_tiny, data.img_size=64), built once
+    replace_norms(model, norm_layer_factory(name, **hparams))
+    check_every_slot(model, norm_slots(swin_tiny_64), norm, 64)
+
+
+def test_norm_context_blocks_heads_and_layouts():
+    model = create_model("swin_tiny", num_classes=1000)
+    ctx = model.norm_context
+    assert ctx("patch_embed.norm")["block"] is None and ctx("patch_embed.norm")["num_heads"] == 3
+    merge = ctx("layers.1.downsample.norm")
+    assert (merge["block"], merge["num_heads"]) == (None, 6)
+    assert (ctx("layers.2.blocks.3.norm1")["block"], ctx("layers.2.blocks.3.norm1")["num_heads"]) == (7, 12)
+    assert (ctx("layers.3.blocks.1.norm2")["block"], ctx("norm")["num_heads"]) == (11, 24)
+    assert ctx("layers.2.blocks.0.norm2")["layout"] is model.stage_layouts[2]
+    assert ctx("norm")["layout"] is model.stage_layouts[3] and ctx("norm")["num_prefix_tokens"] == 0
+
+
+def test_dtn_takes_whole_stage_map_statistics():
+    """norm1 sees the (B, H, W, C) stage map before the windows, norm2 the same tokens with the stage grid,
+    patch merging the merged map: each DTN gets the whole stage grid (16x16 > 14 is pooled), not a window."""
+    model = create_model("swin_tiny", num_classes=10, img_size=64)
+    replace_norms(model, norm_layer_factory("dtn"))
+    seen = {}
+    for name in ("layers.0.blocks.1.norm1", "layers.0.blocks.1.norm2", "layers.1.downsample.norm",
+                 "layers.3.blocks.0.norm2"):
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda m, args, name=name: seen.__setitem__(name, (tuple(args[0].shape), m.layout.grid)))
+    model(torch.randn(2, 3, 64, 64))
+    assert seen["layers.0.blocks.1.norm1"][0] == (2, 16, 16, 96)
+    assert seen["layers.0.blocks.1.norm2"] == ((2, 256, 96), (16, 16))
+    assert seen["layers.1.downsample.norm"][0] == (2, 8, 8, 384)
+    assert seen["layers.3.blocks.0.norm2"] == ((2, 4, 768), (2, 2))
+    # the token form and the map form of a slot compute the same thing
+    dtn = model.layers[0].blocks[1].norm2
+    assert isinstance(dtn, DTN) and dtn.pool_size == 14
+    x = torch.randn(2, 256, 96)
+    torch.testing.assert_close(dtn(x), dtn(x.view(2, 16, 16, 96)).view(2, 256, 96))
+
+
+def test_the_grid_follows_the_input_size_and_survives_deepcopy():
+    model = create_model("swin_micro", num_classes=10, dynamic_img_size=True)
+    replace_norms(model, norm_layer_factory("dtn"))
+    model(torch.randn(1, 3, 16, 16))
+    assert [lay.grid for lay in model.stage_layouts] == [(16, 16), (8, 8), (4, 4), (2, 2)]
+    model(torch.randn(1, 3, 24, 20))
+    assert [lay.grid for lay in model.stage_layouts] == [(24, 20), (12, 10), (6, 5), (3, 3)]
+    ema = copy.deepcopy(model)  # the EMA copy: its own layouts, updated by its own hooks
+    ema(torch.randn(1, 3, 16, 16))
+    assert ema.stage_layouts[0].grid == (16, 16) and model.stage_layouts[0].grid == (24, 20)
+    assert ema.layers[0].blocks[0].norm2.layout is ema.stage_layouts[0]
+
+
+@pytest.mark.parametrize("name,size,strides,channels", [
+    ("swin_micro", 16, [1, 2, 4, 8], [24, 48, 96, 192]),
+    ("swin_tiny", 64, [4, 8, 16, 32], [96, 192, 384, 768]),
+])
+def test_features_are_the_stage_maps(name, size, strides, channels):
+    model = create_model(name, num_classes=10, img_size=size)
+    assert (model.feature_strides, model.feature_channels) == (strides, channels)
+    maps = model.features(torch.randn(2, 3, size, size))
+    expected = [(2, c, size // s, size // s) for c, s in zip(channels, strides, strict=True)]
+    assert [tuple(m.shape) for m in maps] == expected
+    assert all(m.is_contiguous() for m in maps)
+
+
+def test_recipe_values():
+    cfg = compose_cfg("experiment=swin_imagenet")
+    t = cfg.trainer
+    assert (cfg.data.name, cfg.backbone.name, cfg.backbone.drop_path_rate) == ("imagenet", "swin_tiny", 0.2)
+    assert (t.epochs, t.lr, t.lr_base_size, t.weight_decay) == (300, 5e-4, 512, 0.05)
+    assert (t.warmup_epochs, t.warmup_lr, t.min_lr) == (20, 5e-7, 5e-6)
+    assert (t.clip_grad, t.clip_mode, t.smoothing) == (5.0, "norm", 0.1)
+    mix = t.mixup
+    assert (mix.mixup_alpha, mix.cutmix_alpha, mix.prob, mix.switch_prob) == (0.8, 1.0, 1.0, 0.5)
+    assert not t.ema.enabled
+    assert (cfg.data.batch_size, cfg.data.color_jitter, cfg.data.reprob) == (128, 0.4, 0.25)
+    assert cfg.data.auto_augment == "rand-m9-mstd0.5-inc1"
+    dp = {n: compose_cfg("experiment=swin_imagenet", f"backbone={n}").backbone.drop_path_rate
+          for n in ("swin_small", "swin_base")}
+    assert dp == {"swin_small": 0.3, "swin_base": 0.5}
