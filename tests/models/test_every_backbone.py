@@ -1,7 +1,7 @@
 """Every backbone x every registered normalizer, and the dense-feature interface of every backbone.
 
-Slow (a few minutes: ~40 backbones, published sizes included); the per-family files test the micro
-members and the smallest published size with every normalizer in the fast suite.
+The micro members and each family's smallest published size run in the fast suite; the other published
+sizes are marked slow (a few minutes in all).
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from normexp.models import build_backbone
 from normexp.norms import list_norms
 
 BACKBONES = sorted(p.stem for p in (Path(CONFIG_DIR) / "backbone").glob("*.yaml"))
+FAST = {"vit_tiny", "swin_tiny", "pvt_tiny", "pvt_v2_b0", "levit_128s", "t2t_vit_7"}
+CASES = [name if name in FAST or name.endswith("_micro") else pytest.param(name, marks=pytest.mark.slow)
+         for name in BACKBONES]
 PLAIN = ("vit_", "t2t_")  # single-scale models: features() comes from a simple pyramid
 
 
@@ -41,9 +44,8 @@ def test_every_family_is_here():
     assert {f"{f}_micro" for f in families} <= set(BACKBONES)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("norm", list_norms())
-@pytest.mark.parametrize("name", BACKBONES)
+@pytest.mark.parametrize("name", CASES)
 def test_forward_backward(name, norm):
     torch.manual_seed(0)
     model = build(name, norm)
@@ -54,8 +56,7 @@ def test_forward_backward(name, norm):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", BACKBONES)
+@pytest.mark.parametrize("name", CASES)
 def test_features(name):
     size = small_size(name)
     extra = {}

@@ -10,9 +10,9 @@ import torch
 from conftest import compose_cfg
 from torch import nn
 
-from normexp.models import build_backbone, create_model
+from normexp.models import create_model
 from normexp.models.stats import count_gmacs
-from normexp.norms import list_norms, norm_layer_factory, replace_norms
+from normexp.norms import norm_layer_factory, replace_norms
 from normexp.norms.dtn import DTN
 
 
@@ -65,17 +65,6 @@ def test_micro_member_size():
     gmacs = count_gmacs(explicit_attention(model), (3, 16, 16))
     print(f"pvt_v2_micro | {count(model) / 1e6:.2f}M params, {gmacs:.4f} GMACs")
     assert count(model) < 2e6 and gmacs < 0.05
-
-
-@pytest.mark.parametrize("backbone,img", [("pvt_v2_micro", 16), ("pvt_v2_b0", 64)])
-@pytest.mark.parametrize("norm", list_norms())
-def test_every_norm_builds_and_trains(backbone, img, norm):
-    cfg = compose_cfg(f"backbone={backbone}", f"norm={norm}", f"data.img_size={img}")
-    model = build_backbone(cfg.backbone, cfg.norm)
-    out = model(torch.randn(2, 3, img, img))
-    out.sum().backward()
-    assert out.shape == (2, 10) and torch.isfinite(out).all()
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 def record_dtn_inputs(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, int] | None]]:
