@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from .errors import UserError
-from .tasks import TASKS
+from .tasks import PREPARE_CONFIG, TASKS
 from .tracking.provenance import seed_everything
 from .tracking.records import MetricsMirror, RunRecord
 
@@ -30,12 +30,20 @@ def build_mirrors(cfg: DictConfig, run_dir: Path, config: dict[str, Any]) -> lis
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Run ``cfg.task`` in ``run_dir``; the record is written whether the task completes or fails."""
     run_dir = Path(run_dir)
-    config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     if cfg.task.name not in TASKS:
         raise UserError(f"unknown task '{cfg.task.name}'; available: {', '.join(TASKS)}")
+    preparation_error = None
+    if cfg.task.name in PREPARE_CONFIG:
+        try:
+            cfg = PREPARE_CONFIG[cfg.task.name](cfg)
+        except UserError as e:  # still recorded below, as a failed run of the config as given
+            preparation_error = e
+    config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     seed_everything(cfg.seed)
     record = RunRecord(run_dir, config, build_mirrors(cfg, run_dir, config))
     try:
+        if preparation_error is not None:
+            raise preparation_error
         TASKS[cfg.task.name](cfg, record)
     except BaseException as e:
         record.finish("failed", error=f"{type(e).__name__}: {e}".splitlines()[0])

@@ -21,7 +21,7 @@ NUM_CLASSES = 10
 
 
 def digits_arrays(img_size: int, val_fraction: float, split_seed: int) -> dict[str, np.ndarray]:
-    """Raw digit images in [0, 1], shape (N, img_size, img_size), and labels, per split."""
+    """Raw digit images in [0, 1], shape (N, img_size, img_size), labels and ids (index in the full set)."""
     digits = load_digits()
     images = torch.from_numpy(digits.images.astype(np.float32) / 16.0)[:, None]
     images = F.interpolate(images, size=(img_size, img_size), mode="bilinear", align_corners=False)
@@ -32,12 +32,18 @@ def digits_arrays(img_size: int, val_fraction: float, split_seed: int) -> dict[s
     return {
         "train_images": images[idx_train], "train_labels": digits.target[idx_train],
         "val_images": images[idx_val], "val_labels": digits.target[idx_val],
+        "train_ids": idx_train, "val_ids": idx_val,
     }
+
+
+def standardisation(arrays: dict[str, np.ndarray]) -> tuple[float, float]:
+    """The train split's pixel mean and std: what every digits model input is standardised with."""
+    return float(arrays["train_images"].mean()), float(arrays["train_images"].std())
 
 
 def build_digits(cfg, seed: int) -> ClassificationData:
     arrays = digits_arrays(cfg.img_size, cfg.val_fraction, cfg.split_seed)
-    mean, std = float(arrays["train_images"].mean()), float(arrays["train_images"].std())
+    mean, std = standardisation(arrays)
 
     def dataset(split: str) -> TensorDataset:
         x = torch.from_numpy((arrays[f"{split}_images"] - mean) / std)[:, None].expand(-1, 3, -1, -1)

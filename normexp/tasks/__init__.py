@@ -5,8 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from omegaconf import DictConfig
+
 from .classification import run_classification
+from .robustness import run_robustness, with_checkpoint_model
 
 TASKS: dict[str, Callable[..., dict[str, Any]]] = {
     "classification": run_classification,
+    "robustness": run_robustness,
+}
+
+# Config changes a task makes before its record is written, so that the record shows what actually runs
+# (robustness: the checkpoint's model replaces the configured one).
+PREPARE_CONFIG: dict[str, Callable[[DictConfig], DictConfig]] = {
+    "robustness": with_checkpoint_model,
 }

@@ -1,4 +1,5 @@
-"""ImageNet-style classification: build data and model, train with the common loop, record."""
+"""ImageNet-style classification: build data and model, train with the common loop, record (and optionally
+evaluate the final model on corruptions: ``task.robustness.enabled=true``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from typing import Any
 
 from ..data import build_classification_data
 from ..engine.trainer import Trainer
+from ..errors import UserError
 from ..models import build_backbone
 from ..models.stats import count_gmacs, count_params
 from ..tracking.records import RunRecord
+from .robustness import check_robustness_settings, evaluate_robustness
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +24,20 @@ def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
                   gmacs=round(count_gmacs(model, (data.in_chans, data.img_size, data.img_size)), 4))
     log.info("%s with norm=%s: %.2fM params, %.3f GMACs", cfg.backbone.name, cfg.norm.name,
              record.summary["params"] / 1e6, record.summary["gmacs"])
+    settings = cfg.task.get("robustness")
+    robustness = settings is not None and settings.enabled
+    if robustness:  # bad settings fail now, not after training
+        if settings.ema and not cfg.trainer.ema.enabled:
+            raise UserError("task.robustness.ema=true needs trainer.ema.enabled=true")
+        check_robustness_settings(settings, cfg.data)
     trainer = Trainer(cfg.trainer, model, data, record)
     metrics = trainer.fit()
     record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
+    if robustness:  # the final model, into this record
+        evaluated = trainer.ema.module if settings.ema else trainer.model
+        metrics["robustness"] = evaluate_robustness(
+            settings, cfg.data, evaluated, record, device=trainer.device, amp_dtype=trainer.amp_dtype,
+            progress=trainer.progress, first_step=cfg.trainer.epochs * trainer.updates_per_epoch + 1,
+            epoch=cfg.trainer.epochs)
+        record.update(metrics=metrics)
     return metrics
