@@ -39,11 +39,12 @@ class WandbMirror:
         self.run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)
 
     def finish(self, summary: dict[str, Any]) -> None:
+        flat = {}
         for key, value in summary.items():
             if key == "metrics":
                 for kind, metrics in value.items():
-                    for metric, v in metrics.items():
-                        self.run.summary[f"{kind}/{metric}"] = v
+                    flat.update({f"{kind}/{metric}": v for metric, v in metrics.items()})
             else:
-                self.run.summary[key] = value
+                flat[key] = value
+        self.run.summary.update(flat)  # one update record, not one per key
         self.run.finish(exit_code=0 if summary.get("status") == "completed" else 1)
