@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +28,7 @@ def seed_worker(worker_id: int) -> None:
 
 
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, seed: int,
-                pin_memory: bool = False) -> DataLoader:
+                pin_memory: bool = False, collate_fn: Callable | None = None) -> DataLoader:
     """A loader whose shuffling and worker seeds follow ``seed`` (train: shuffled, full batches)."""
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(
@@ -40,4 +41,5 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
         worker_init_fn=seed_worker,
         generator=generator,
         persistent_workers=num_workers > 0,
+        collate_fn=collate_fn,
     )

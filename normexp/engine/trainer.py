@@ -42,6 +42,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Tensors, or lists / dicts of them (detection targets), on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
 def show_progress(setting: str | bool) -> bool:
     return sys.stderr.isatty() if setting == "auto" else bool(setting)
 
@@ -58,17 +69,22 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype is torch.float16 else None
         self.progress = show_progress(cfg.progress)
 
+        # the module: timm exempts 1-D params, biases and no_weight_decay() names; its parameters: all decay
+        params = self.model.parameters() if cfg.decay_norm_and_bias else self.model
         self.optimizer = create_optimizer_v2(
-            self.model, opt=cfg.opt, lr=self.scaled_lr(cfg.lr), weight_decay=cfg.weight_decay,
-            eps=cfg.opt_eps, betas=tuple(cfg.betas), filter_bias_and_bn=True,
+            params, opt=cfg.opt, lr=self.scaled_lr(cfg.lr), weight_decay=cfg.weight_decay,
+            eps=cfg.opt_eps, betas=tuple(cfg.betas),
         )
         self.updates_per_epoch = len(data.train)
         if self.updates_per_epoch == 0:
             raise UserError("the training set is smaller than one batch: lower data.batch_size")
+        warmup_epochs = cfg.warmup_iters / self.updates_per_epoch if cfg.warmup_iters else cfg.warmup_epochs
+        milestones = {"decay_milestones": tuple(cfg.decay_milestones)} if cfg.decay_milestones else {}
         self.scheduler, _ = create_scheduler_v2(
-            self.optimizer, sched=cfg.sched, num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
+            self.optimizer, sched=cfg.sched, num_epochs=cfg.epochs, warmup_epochs=warmup_epochs,
             warmup_lr=self.scaled_lr(cfg.warmup_lr), min_lr=self.scaled_lr(cfg.min_lr),
-            step_on_epochs=False, updates_per_epoch=self.updates_per_epoch,
+            decay_rate=cfg.decay_rate, step_on_epochs=False, updates_per_epoch=self.updates_per_epoch,
+            **milestones,
         )
         self.mixup = Mixup(
             mixup_alpha=cfg.mixup.mixup_alpha, cutmix_alpha=cfg.mixup.cutmix_alpha, prob=cfg.mixup.prob,
@@ -127,12 +143,8 @@ class Trainer:
                    leave=False)
         for i, (images, targets) in enumerate(bar):
             step = epoch * self.updates_per_epoch + i
-            images = images.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            if self.mixup is not None:
-                images, targets = self.mixup(images, targets)
-            with self.autocast():
-                loss = self.train_loss(self.model(images), targets)
+            images, targets = to_device(images, self.device), to_device(targets, self.device)
+            loss = self.compute_loss(images, targets)
             if not math.isfinite(loss.item()):
                 raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch + 1}, step {step}")
             self.optimizer.zero_grad(set_to_none=True)
@@ -151,8 +163,8 @@ class Trainer:
             self.scheduler.step_update(step + 1)
             if self.ema is not None:
                 self.ema.update(self.model, step=step)
-            loss_sum += loss.item() * images.shape[0]
-            seen += images.shape[0]
+            loss_sum += loss.item() * len(images)
+            seen += len(images)
             lr = self.optimizer.param_groups[0]["lr"]
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.2e}")
             if self.cfg.log_interval and (step + 1) % self.cfg.log_interval == 0:
@@ -164,6 +176,13 @@ class Trainer:
         self.train_seconds += seconds
         return {"train/loss": loss_sum / seen, "train/images_per_s": seen / seconds,
                 "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def compute_loss(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of one batch (tasks with other models override this and ``evaluate``)."""
+        if self.mixup is not None:
+            images, targets = self.mixup(images, targets)
+        with self.autocast():
+            return self.train_loss(self.model(images), targets)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, prefix: str) -> dict[str, float]:

@@ -24,11 +24,19 @@ def norm_settings(norm_cfg: DictConfig | dict) -> tuple[str, dict[str, Any], dic
     return name, cfg, placement
 
 
-def build_backbone(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict) -> nn.Module:
-    """Create ``backbone_cfg.name`` with its config values, then swap its norm slots for ``norm_cfg``."""
+def build_backbone(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,
+                   dense: bool = False) -> nn.Module:
+    """Create ``backbone_cfg.name`` with its config values, then swap its norm slots for ``norm_cfg``.
+
+    ``dense``: for dense tasks (detection), also apply the config's ``dense`` values (any input size, a
+    feature pyramid for plain models); the pretrained classification weights load unchanged.
+    """
     kwargs = as_dict(backbone_cfg)
     name = kwargs.pop("name")
     kwargs.pop("norm_defaults", None)  # read by the norm configs through interpolation, not by the model
+    dense_kwargs = kwargs.pop("dense", None) or {}
+    if dense:
+        kwargs.update(dense_kwargs)
     try:
         model = create_model(name, **kwargs)
         norm_name, hparams, placement = norm_settings(norm_cfg)

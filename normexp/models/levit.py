@@ -173,6 +173,7 @@ class _LeViTNorms:
             kwargs["stem_stride"] = stem_stride
         super().__init__(img_size=img_size, act_layer=act_layer, use_conv=False, **kwargs)
         self.img_size, self.stem_stride = tuple(size), stem_stride
+        self.fixed_input_size = self.img_size  # dense tasks resize every input to it
 
         # one token layout per stage; stage 0's grid from the stem, the next ones from each subsampling
         layouts = [TokenLayout(num_prefix_tokens=0) for _ in self.stages]

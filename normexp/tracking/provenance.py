@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 PACKAGES = ("torch", "torchvision", "timm", "hydra-core", "omegaconf", "wandb", "numpy", "scikit-learn",
-            "pillow", "imagecorruptions-imaug", "normexp")
+            "pillow", "imagecorruptions-imaug", "pycocotools", "normexp")
 
 # Config keys that do not change what a run computes; left out of its identity.
 NON_IDENTITY_KEYS = ("logger",)

@@ -1,0 +1,142 @@
+"""COCO detection: RetinaNet or Mask R-CNN over a normexp backbone, the common loop, COCOeval.
+
+``task.pretrained=<classification run dir or checkpoint>`` initialises the backbone: the backbone and norm
+are rebuilt from that run's stored config (``with_pretrained_backbone``, applied before the record is written,
+so the record names the model that runs) and its weights load strictly -- only the weights detection adds
+(a plain model's simple pyramid) start fresh; the classifier head is kept, unused.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+from torch import nn
+from tqdm import tqdm
+
+from ..data.coco import DetectionData, build_detection_data
+from ..engine.checkpoint import load_checkpoint
+from ..engine.trainer import Trainer
+from ..errors import UserError
+from ..metrics.coco import coco_evaluate, coco_results
+from ..models import build_backbone
+from ..models.detection import DETECTORS, build_detector
+from ..models.stats import count_params
+from ..tracking.records import RunRecord
+from .robustness import checkpoint_run_config
+
+log = logging.getLogger(__name__)
+
+# Weights detection adds to a classification backbone (they are not in its checkpoint).
+DENSE_ONLY_PREFIXES = ("pyramid.",)
+
+
+class DetectionTrainer(Trainer):
+    """The common loop with a detector: the loss is the sum of the detector's losses; COCOeval scores."""
+
+    data: DetectionData
+
+    def compute_loss(self, images: list[torch.Tensor],
+                     targets: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        with self.autocast():
+            losses = self.model(images, targets)
+        return sum(losses.values())
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, prefix: str) -> dict[str, float]:
+        model.eval()
+        masks = hasattr(model, "roi_heads") and model.roi_heads.has_mask()  # Mask R-CNN
+        bbox, segm = [], []
+        for images, targets in tqdm(self.data.val, desc=prefix, disable=not self.progress, leave=False):
+            with self.autocast():
+                outputs = model([image.to(self.device) for image in images])
+            for target, output in zip(targets, outputs, strict=True):
+                b, s = coco_results(int(target["image_id"]), output, self.data.category_ids, masks)
+                bbox += b
+                segm += s
+        metrics = {}
+        for iou_type, results in (("bbox", bbox), ("segm", segm)) if masks else (("bbox", bbox),):
+            stats, table = coco_evaluate(self.data.val_coco, results, iou_type)
+            log.info("%s %s:\n%s", prefix, iou_type, table)
+            metrics.update({f"{prefix}/{iou_type}_{k}": v for k, v in stats.items()})
+        return metrics
+
+
+def load_backbone_weights(body: nn.Module, state: dict[str, Any], source: str) -> None:
+    """Every backbone weight from ``state`` (same names, same shapes), or one line saying what differs."""
+    own = body.state_dict()
+    missing = [k for k in own if k not in state and not k.startswith(DENSE_ONLY_PREFIXES)]
+    unexpected = [k for k in state if k not in own]
+    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+             if k in state and state[k].shape != v.shape]
+    if missing or unexpected or wrong:
+        parts = [f"{label} {items[:3]}{' ...' if len(items) > 3 else ''}"
+                 for label, items in (("missing", missing), ("unexpected", unexpected),
+                                      ("shape mismatch (checkpoint vs model)", wrong)) if items]
+        raise UserError(f"pretrained checkpoint '{source}' does not match the backbone "
+                        f"{type(body).__name__}: " + "; ".join(parts))
+    body.load_state_dict(state, strict=False)
+
+
+def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
+    """The config with the pretrained run's backbone and norm in place of the configured ones.
+
+    The backbone keeps its classification geometry (``img_size``, ``num_classes``), so its weights load as
+    they are; dense tasks run it at other input sizes (ViT and Swin resample, LeViT gets resized inputs).
+    """
+    if cfg.task.detector not in DETECTORS:
+        raise UserError(f"unknown task.detector '{cfg.task.detector}'; available: {', '.join(DETECTORS)}")
+    if not cfg.task.get("pretrained"):
+        return cfg
+    trained = checkpoint_run_config(cfg.task.pretrained)
+    if trained is None:
+        log.info("pretrained checkpoint %s stores no config: using the configured backbone",
+                 cfg.task.pretrained)
+        return cfg
+    if trained["task"]["name"] != "classification":
+        raise UserError(f"task.pretrained '{cfg.task.pretrained}' is a {trained['task']['name']} run; "
+                        "give a classification run")
+    if (trained["backbone"]["name"], trained["norm"]["name"]) != (cfg.backbone.name, cfg.norm.name):
+        log.info("backbone from %s: %s with norm=%s (configured: %s with norm=%s)", cfg.task.pretrained,
+                 trained["backbone"]["name"], trained["norm"]["name"], cfg.backbone.name, cfg.norm.name)
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.backbone = trained["backbone"]
+        cfg.norm = trained["norm"]
+    return cfg
+
+
+def build_detection_model(cfg: Any, num_classes: int) -> nn.Module:
+    body = build_backbone(cfg.backbone, cfg.norm, dense=True)
+    options = cfg.task.get(cfg.task.detector)  # further torchvision arguments of this detector
+    if cfg.task.pretrained:
+        state = load_checkpoint(cfg.task.pretrained)
+        load_backbone_weights(body, state.get("model", state), str(cfg.task.pretrained))
+    try:
+        return build_detector(
+            body, cfg.task.detector, num_classes, min_size=cfg.data.min_size, max_size=cfg.data.max_size,
+            image_mean=cfg.data.mean, image_std=cfg.data.std, fpn_channels=cfg.task.fpn_channels,
+            levels=cfg.task.levels, anchor_scale=cfg.task.anchor_scale, score_thresh=cfg.task.score_thresh,
+            detections_per_img=cfg.task.detections_per_img, box_head_dim=cfg.task.box_head_dim,
+            options=OmegaConf.to_container(options, resolve=True) if options else None)
+    except (ValueError, IndexError, TypeError) as e:
+        raise UserError(f"cannot build {cfg.task.detector} over {cfg.backbone.name}: {e}") from e
+
+
+def run_detection(cfg: Any, record: RunRecord) -> dict[str, Any]:
+    data = build_detection_data(cfg.data, cfg.seed, masks=cfg.task.detector == "mask_rcnn")
+    model = build_detection_model(cfg, data.num_classes)
+    record.update(params=count_params(model), backbone_params=count_params(model.backbone.body),
+                  dataset=str(data.root))
+    log.info("%s over %s with norm=%s: %.2fM params (backbone %.2fM); data %s", cfg.task.detector,
+             cfg.backbone.name, cfg.norm.name, record.summary["params"] / 1e6,
+             record.summary["backbone_params"] / 1e6, data.root)
+    trainer = DetectionTrainer(cfg.trainer, model, data, record)
+    metrics = trainer.fit()
+    record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
+    final = metrics["final"]
+    print(" ".join(f"{k}={v:.3f}" for k, v in final.items() if isinstance(v, float)), flush=True)
+    return metrics

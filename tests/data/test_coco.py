@@ -1,0 +1,92 @@
+"""The COCO loader: layout and annotation checks in one line, targets as torchvision's detectors take them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from normexp.data.coco import CocoDetection, build_detection_data, check_coco_root
+from normexp.data.coco_digits import generate_coco_digits
+from normexp.errors import UserError
+
+SETTINGS = dict(canvas_size=64, num_train=8, num_val=4, digits_per_image=[2, 4], digit_size=[12, 28],
+                max_overlap=0.3, generator_seed=0)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return generate_coco_digits(tmp_path_factory.mktemp("cache"), SETTINGS)
+
+
+def test_targets_are_boxes_labels_and_masks_of_the_annotations(root):
+    data = CocoDetection(root, "val2017", masks=True)
+    image, target = data[0]
+    anns = data.coco.imgToAnns[data.image_ids[0]]
+    assert image.shape == (3, 64, 64) and image.dtype == torch.float32
+    assert 0 <= image.min() <= image.max() <= 1
+    x, y, w, h = anns[0]["bbox"]
+    assert target["boxes"][0].tolist() == [x, y, x + w, y + h]
+    assert target["labels"].tolist() == [a["category_id"] for a in anns]  # ids 1..10 are already contiguous
+    assert target["masks"].shape == (len(anns), 64, 64) and int(target["image_id"]) == data.image_ids[0]
+    assert target["masks"].sum(dim=(1, 2)).tolist() == [a["area"] for a in anns]
+
+
+def test_horizontal_flip_moves_boxes_with_the_masks(root):
+    plain = CocoDetection(root, "val2017", masks=True)
+    flipped = CocoDetection(root, "val2017", masks=True, hflip=1.0)
+    (image, target), (image_f, target_f) = plain[1], flipped[1]
+    assert torch.equal(image_f, image.flip(-1)) and torch.equal(target_f["masks"], target["masks"].flip(-1))
+    for box, mask in zip(target_f["boxes"], target_f["masks"], strict=True):
+        cols = mask.any(dim=0).nonzero()
+        assert box[0] == cols.min() and box[2] == cols.max() + 1
+
+
+def test_missing_tree_is_one_line(tmp_path, root):
+    with pytest.raises(UserError, match="data.root is not set"):
+        check_coco_root(None, ("train2017",))
+    with pytest.raises(UserError, match="does not exist"):
+        check_coco_root(str(tmp_path / "nowhere"), ("train2017",))
+    (tmp_path / "coco" / "annotations").mkdir(parents=True)
+    with pytest.raises(UserError, match="instances_train2017.json"):
+        check_coco_root(str(tmp_path / "coco"), ("train2017",))
+    (tmp_path / "coco" / "annotations" / "instances_train2017.json").write_text("{}")
+    with pytest.raises(UserError, match="no image folder 'train2017/'"):
+        check_coco_root(str(tmp_path / "coco"), ("train2017",))
+
+
+def broken_copy(root, tmp_path, edit):
+    """A copy of the val split with ``edit`` applied to its annotation file."""
+    copy = tmp_path / "broken"
+    (copy / "annotations").mkdir(parents=True)
+    (copy / "val2017").symlink_to(root / "val2017")
+    data = json.loads((root / "annotations" / "instances_val2017.json").read_text())
+    edit(data)
+    (copy / "annotations" / "instances_val2017.json").write_text(json.dumps(data))
+    return copy
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d["annotations"][2].update(bbox=[1, 2, -3, 4]), r"annotation 2 \(id 3\): field 'bbox'"),
+    (lambda d: d["annotations"][1].update(category_id=99), r"annotation 1 \(id 2\): field 'category_id'"),
+    (lambda d: d["annotations"][0].update(image_id=12345), r"annotation 0 \(id 1\): field 'image_id'"),
+    (lambda d: d["annotations"][3].pop("area"), r"annotation 3 \(id 4\): field 'area'"),
+    (lambda d: d["annotations"][0].update(segmentation=[[1, 2]]),
+     r"annotation 0 \(id 1\): field 'segmentation'"),
+    (lambda d: d["images"][1].update(width="64"), r"image 1 \(id \d+\): field 'width'"),
+    (lambda d: d.pop("categories"), "top-level field 'categories'"),
+])
+def test_malformed_annotation_names_the_annotation_and_field(root, tmp_path, edit, message):
+    broken = broken_copy(root, tmp_path, edit)
+    with pytest.raises(UserError, match=message) as e:
+        CocoDetection(broken, "val2017", masks=True)
+    assert "\n" not in str(e.value)
+
+
+def test_category_count_must_match_the_config(root):
+    from omegaconf import OmegaConf
+    cfg = OmegaConf.create(dict(name="coco", root=str(root), num_classes=80, hflip=0.0, batch_size=2,
+                                eval_batch_size=2, num_workers=0))
+    with pytest.raises(UserError, match="has 10 categories but data.num_classes=80"):
+        build_detection_data(cfg, seed=0, masks=False)

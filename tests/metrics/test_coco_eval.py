@@ -1,0 +1,51 @@
+"""COCOeval through our path: ground truth as predictions scores 1.0; worse predictions score less."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from normexp.data.coco import CocoDetection
+from normexp.data.coco_digits import generate_coco_digits
+from normexp.metrics.coco import STATS, coco_evaluate, coco_results
+
+SETTINGS = dict(canvas_size=64, num_train=4, num_val=12, digits_per_image=[2, 4], digit_size=[12, 28],
+                max_overlap=0.3, generator_seed=0)
+
+
+@pytest.fixture(scope="module")
+def val(tmp_path_factory):
+    root = generate_coco_digits(tmp_path_factory.mktemp("cache"), SETTINGS)
+    return CocoDetection(root, "val2017", masks=True)
+
+
+def predictions(val, shift: float = 0.0):
+    """Detector-style outputs made from the ground truth (mask probabilities, boxes moved by ``shift``)."""
+    bbox, segm = [], []
+    for i in range(len(val)):
+        _, target = val[i]
+        output = {"boxes": target["boxes"] + shift, "labels": target["labels"],
+                  "scores": torch.ones(len(target["labels"])), "masks": target["masks"][:, None].float()}
+        b, s = coco_results(int(target["image_id"]), output, val.category_ids, masks=True)
+        bbox += b
+        segm += s
+    return bbox, segm
+
+
+def test_ground_truth_as_predictions_scores_one(val):
+    bbox, segm = predictions(val)
+    for results, iou_type in ((bbox, "bbox"), (segm, "segm")):
+        stats, table = coco_evaluate(val.coco, results, iou_type)
+        assert set(stats) == set(STATS)
+        assert stats["AP"] == stats["AP50"] == stats["AP75"] == 1.0, (iou_type, stats)
+        assert math.isnan(stats["APl"])  # no object above 96^2 px: undefined, not 0 or 1
+        assert "Average Precision" in table
+
+
+def test_shifted_boxes_score_less_and_no_detections_score_zero(val):
+    bbox, _ = predictions(val, shift=4.0)
+    stats, _ = coco_evaluate(val.coco, bbox, "bbox")
+    assert 0 < stats["AP"] < 1 and stats["AP75"] < stats["AP50"]
+    assert coco_evaluate(val.coco, [], "bbox")[0]["AP"] == 0.0

@@ -1,0 +1,183 @@
+"""task=detection: RetinaNet and Mask R-CNN over each backbone family, pretrained backbones, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from conftest import compose_cfg, run_cli
+from omegaconf import OmegaConf
+
+from normexp.data.coco import build_detection_data
+from normexp.engine.checkpoint import save_checkpoint
+from normexp.errors import UserError
+from normexp.models import build_backbone
+from normexp.tasks.detection import DetectionTrainer, build_detection_model, with_pretrained_backbone
+from normexp.tracking.records import RunRecord, read_summary
+
+TINY = ["data.canvas_size=64", "data.num_train=4", "data.num_val=2", "data.batch_size=2",
+        "data.eval_batch_size=2", "logger=none", "trainer.progress=false"]
+FAMILIES = ["vit_micro", "swin_micro", "pvt_micro", "pvt_v2_micro", "levit_micro", "t2t_vit_micro"]
+
+
+def detection_cfg(*overrides):
+    return compose_cfg("task=detection", *TINY, *overrides)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("detector,norm", [("retinanet", "ln"), ("mask_rcnn", "dtn")])
+@pytest.mark.parametrize("backbone", FAMILIES)
+def test_a_train_step_and_an_eval_step(tmp_path, backbone, detector, norm):
+    """DTN runs its positional statistics on the canvas grids, bigger than any it was built for."""
+    cfg = detection_cfg(f"backbone={backbone}", f"task.detector={detector}", f"norm={norm}")
+    data = build_detection_data(cfg.data, cfg.seed, masks=detector == "mask_rcnn")
+    model = build_detection_model(cfg, data.num_classes)
+    images, targets = next(iter(data.train))
+    model.train()
+    losses = model(images, targets)
+    expected = {"classification", "bbox_regression"} if detector == "retinanet" else \
+        {"loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness", "loss_rpn_box_reg"}
+    assert set(losses) == expected and all(torch.isfinite(v) for v in losses.values())
+    sum(losses.values()).backward()
+    body_grads = [p.grad for p in model.backbone.body.parameters() if p.grad is not None]
+    assert body_grads and all(torch.isfinite(g).all() for g in body_grads)
+    assert any(g.abs().sum() > 0 for g in body_grads)  # the loss reaches the backbone
+    record = RunRecord(tmp_path / "run", OmegaConf.to_container(cfg, resolve=True))
+    trainer = DetectionTrainer(cfg.trainer, model, data, record)
+    metrics = trainer.evaluate(model, "val")
+    types = ("bbox", "segm") if detector == "mask_rcnn" else ("bbox",)
+    assert {f"val/{t}_AP" for t in types} <= set(metrics)
+    assert all(0 <= metrics[f"val/{t}_AP"] <= 1 for t in types)
+
+
+def pretrained_run(tmp_path, backbone="pvt_v2_micro", norm="dtn", img_size=16):
+    """A classification run directory as the trainer writes it: config.yaml + checkpoint.pth."""
+    cfg = compose_cfg(f"backbone={backbone}", f"norm={norm}", f"data.img_size={img_size}")
+    model = build_backbone(cfg.backbone, cfg.norm)
+    with torch.no_grad():
+        for p in model.parameters():  # weights no fresh build has
+            p.add_(torch.randn_like(p))
+    run = tmp_path / f"pretrained-{backbone}-{norm}"
+    run.mkdir()
+    config = OmegaConf.to_container(cfg, resolve=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    save_checkpoint(run / "checkpoint.pth", {"epoch": 1, "model": model.state_dict(), "config": config})
+    return run, model
+
+
+@pytest.mark.parametrize("backbone,norm", [("pvt_v2_micro", "dtn"), ("vit_micro", "dyt")])
+def test_pretrained_classification_weights_load_into_the_backbone(tmp_path, backbone, norm):
+    run, classifier = pretrained_run(tmp_path, backbone, norm)
+    cfg = with_pretrained_backbone(detection_cfg(f"task.pretrained={run}"))
+    assert (cfg.backbone.name, cfg.norm.name, cfg.backbone.img_size) == (backbone, norm, 16)  # the run's
+    model = build_detection_model(cfg, 11)
+    loaded = model.backbone.body.state_dict()
+    for name, weight in classifier.state_dict().items():
+        assert torch.equal(loaded[name], weight), name
+    assert set(loaded) - set(classifier.state_dict()) == {k for k in loaded if k.startswith("pyramid.")}
+    # DTN's positional parameters were learnt on a 16 px grid; the detector runs them on 64 px canvases
+    model.eval()
+    with torch.no_grad():
+        assert len(model([torch.rand(3, 64, 64)])) == 1
+
+
+def test_pretrained_backbone_that_does_not_match_is_one_line(tmp_path):
+    run, _ = pretrained_run(tmp_path)
+    state = torch.load(run / "checkpoint.pth", weights_only=False)
+    state["model"].pop(next(iter(state["model"])))
+    bare = tmp_path / "bare.pth"
+    torch.save({"model": state["model"]}, bare)  # a file without a config: the configured backbone is used
+    cfg = with_pretrained_backbone(detection_cfg(f"task.pretrained={bare}",
+                                                 "backbone=pvt_v2_micro"))
+    with pytest.raises(UserError, match="does not match the backbone .*missing") as e:
+        build_detection_model(cfg, 11)
+    assert "\n" not in str(e.value)
+    cfg = with_pretrained_backbone(detection_cfg(f"task.pretrained={bare}", "backbone=swin_micro"))
+    with pytest.raises(UserError, match="does not match the backbone"):
+        build_detection_model(cfg, 11)
+
+
+def test_demo_command_line_records_coco_metrics(tmp_path):
+    out = run_cli("task=detection", *TINY, "data.num_train=8", "trainer.epochs=1", "trainer.eval_interval=1",
+                  "logger=wandb", env={"NORMEXP_OUTPUT_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    run = next((tmp_path / "detection").glob("*/*"))
+    summary = read_summary(run)
+    assert summary["status"] == "completed" and summary["task"] == "detection"
+    final = summary["metrics"]["final"]
+    assert {f"val/bbox_{k}" for k in ("AP", "AP50", "AP75", "APs", "APm")} <= set(final)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert (config["backbone"]["name"], config["data"]["name"], config["task"]["detector"]) == \
+        ("pvt_v2_b0", "coco_digits", "retinanet")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert "val/bbox_AP" in rows[-1]
+    assert list(run.glob("wandb/offline-run-*"))
+    assert "val/bbox_AP=" in out.stdout
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data=coco"], "error: data.root is not set"),
+    (["data=coco", "data.root=/nowhere"], "error: COCO root '/nowhere' does not exist"),
+    (["task.detector=yolo"], "error: unknown task.detector 'yolo'"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, message):
+    out = run_cli("task=detection", "logger=none", *overrides, env={"NORMEXP_OUTPUT_DIR": str(tmp_path)})
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr[-1500:]
+
+
+def test_paper_recipes():
+    cfg = compose_cfg("experiment=retinanet_pvt_1x")
+    t = cfg.trainer
+    assert (cfg.task.name, cfg.task.detector, cfg.data.name, cfg.backbone.name) == \
+        ("detection", "retinanet", "coco", "pvt_v2_b0")
+    assert (t.epochs, t.opt, t.lr, t.weight_decay, list(t.decay_milestones), t.warmup_iters) == \
+        (12, "adamw", 1e-4, 1e-4, [8, 11], 500)
+    assert t.warmup_lr == pytest.approx(1e-3 * t.lr) and t.decay_norm_and_bias
+    assert (cfg.data.min_size, cfg.data.max_size, cfg.data.hflip, cfg.data.batch_size) == (800, 1333, 0.5, 16)
+    assert (cfg.task.fpn_channels, cfg.task.levels, cfg.task.anchor_scale) == (256, None, None)
+    mask = compose_cfg("experiment=mask_rcnn_pvt_1x")
+    assert (mask.task.detector, mask.trainer.lr, mask.task.box_head_dim) == ("mask_rcnn", 2e-4, 1024)
+    assert mask.trainer.warmup_lr == pytest.approx(1e-3 * mask.trainer.lr)
+    swin = compose_cfg("experiment=mask_rcnn_swin_1x")
+    assert (swin.backbone.name, swin.trainer.weight_decay, swin.trainer.decay_norm_and_bias) == \
+        ("swin_tiny", 0.05, False)
+    assert list(swin.data.min_size) == list(range(480, 801, 32))
+
+
+def test_paper_levels_over_a_pyramid_of_four():
+    cfg = compose_cfg("experiment=retinanet_pvt_1x", "data=coco_digits", "data.num_train=1")
+    for detector, levels, strides in (("retinanet", [1, 2, 3], [8, 16, 32, 64, 128]),
+                                      ("mask_rcnn", [0, 1, 2, 3], [4, 8, 16, 32, 64])):
+        cfg.task.detector = detector
+        model = build_detection_model(cfg, 11)
+        assert (model.backbone.levels, model.backbone.strides) == (levels, strides)
+
+
+@pytest.mark.slow
+def test_demo_reaches_the_acceptance_ap(tmp_path):
+    """The documented demo, as typed: RetinaNet, pvt_v2_b0, LN, coco_digits, from scratch (~5 min)."""
+    out = run_cli("task=detection", "data=coco_digits", env={"NORMEXP_OUTPUT_DIR": str(tmp_path)},
+                  timeout=1500)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = read_summary(next((tmp_path / "detection").glob("*/*")))
+    final = summary["metrics"]["final"]
+    print(f"detection demo: bbox AP {final['val/bbox_AP']:.3f} in {summary['wall_time_s']:.0f} s")
+    assert final["val/bbox_AP"] >= 0.3
+
+
+@pytest.mark.slow
+def test_mask_rcnn_learns_masks(tmp_path):
+    """A shortened Mask R-CNN demo (300 canvases, 4 epochs, ~1.5 min): boxes and masks both score."""
+    out = run_cli("task=detection", "task.detector=mask_rcnn", "data.num_train=300", "trainer.epochs=4",
+                  "trainer.decay_milestones=[3,4]", "trainer.eval_interval=4", "logger=none",
+                  env={"NORMEXP_OUTPUT_DIR": str(tmp_path)}, timeout=1200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    final = read_summary(next((tmp_path / "detection").glob("*/*")))["metrics"]["final"]
+    print(f"mask_rcnn short: bbox AP {final['val/bbox_AP']:.3f}, segm AP {final['val/segm_AP']:.3f}")
+    assert final["val/bbox_AP"] > 0.05 and final["val/segm_AP"] > 0.05
