@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from . import CONFIG_DIR
 from .errors import UserError
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("normexp")
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
     from .run import run  # heavy imports after Hydra has parsed the command line (fast --help/--cfg)
 

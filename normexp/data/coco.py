@@ -96,14 +96,23 @@ def check_annotations(dataset: Any, path: Path, masks: bool) -> None:
             raise _bad(path, where, "bbox", f"must be [x, y, width, height], width and height >= 0: {box!r}")
         if not isinstance(ann.get("area"), Number):
             raise _bad(path, where, "area", f"must be a number, got {ann.get('area')!r}")
-        if ann.get("iscrowd", 0) not in (0, 1):
+        if ann.get("iscrowd") not in (0, 1):  # COCOeval reads it for every annotation
             raise _bad(path, where, "iscrowd", f"must be 0 or 1, got {ann.get('iscrowd')!r}")
         segmentation = ann.get("segmentation")
         if masks and not (isinstance(segmentation, dict) and {"counts", "size"} <= set(segmentation)
-                          or isinstance(segmentation, list) and segmentation
-                          and all(isinstance(p, list) and len(p) >= 6 for p in segmentation)):
-            raise _bad(path, where, "segmentation", "must be polygons [[x0, y0, x1, y1, ...], ...] (3+ "
-                       "points each) or RLE {'counts', 'size'} (masks are needed for mask_rcnn)")
+                          or isinstance(segmentation, list)
+                          and all(isinstance(p, list) for p in segmentation)):
+            raise _bad(path, where, "segmentation", "must be polygons [[x0, y0, x1, y1, ...], ...] or RLE "
+                       "{'counts', 'size'} (masks are needed for mask_rcnn)")
+
+
+def mask_annotation(ann: dict[str, Any]) -> dict[str, Any] | None:
+    """``ann`` with only its drawable polygons (3+ points; COCO has a few degenerate ones), None if none."""
+    segmentation = ann["segmentation"]
+    if isinstance(segmentation, dict):
+        return ann
+    polygons = [p for p in segmentation if len(p) >= 6]
+    return {**ann, "segmentation": polygons} if polygons else None
 
 
 def load_coco(path: Path, masks: bool) -> COCO:
@@ -140,7 +149,9 @@ class CocoDetection(Dataset):
         with Image.open(self.folder / info["file_name"]) as f:
             image = torch.from_numpy(np.asarray(f.convert("RGB"), dtype=np.float32) / 255).permute(2, 0, 1)
         anns = [a for a in self.coco.imgToAnns[image_id]
-                if not a.get("iscrowd", 0) and a["bbox"][2] >= 1 and a["bbox"][3] >= 1]
+                if not a["iscrowd"] and a["bbox"][2] >= 1 and a["bbox"][3] >= 1]
+        if self.masks:  # an instance without a drawable mask is no Mask R-CNN target
+            anns = [m for m in map(mask_annotation, anns) if m is not None]
         boxes = torch.tensor([[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in anns)],
                              dtype=torch.float32).reshape(-1, 4)
         target = {"boxes": boxes, "image_id": torch.tensor(image_id),

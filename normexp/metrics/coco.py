@@ -25,7 +25,13 @@ STATS = ("AP", "AP50", "AP75", "APs", "APm", "APl")  # COCOeval.stats[0:6]
 
 def coco_results(image_id: int, output: dict[str, torch.Tensor], category_ids: Sequence[int],
                  masks: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(bbox results, segm results) of one image; label i is category ``category_ids[i - 1]``."""
+    """(bbox results, segm results) of one image; label i is category ``category_ids[i - 1]``.
+
+    Label 0 is background: RetinaNet's sigmoid head has an output for it (never a positive in training) that
+    can still pass the score threshold; such detections name no category and are dropped.
+    """
+    keep = output["labels"] > 0
+    output = {k: v[keep] for k, v in output.items() if k in ("boxes", "scores", "labels", "masks")}
     boxes = output["boxes"].detach().cpu().float()
     xywh = torch.cat([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], dim=1).tolist()
     scores = output["scores"].detach().cpu().tolist()

@@ -19,13 +19,14 @@ every image resized to their ``img_size``.
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torchvision.models.detection import MaskRCNN, RetinaNet
+from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
@@ -44,8 +45,10 @@ class BackboneFPN(nn.Module):
         self.body, self.levels, self.out_channels = body, list(levels), out_channels
         in_channels = [body.feature_channels[i] for i in self.levels]
         strides = [body.feature_strides[i] for i in self.levels]
-        if extra == "p6p7":  # from C5 when its width differs from the FPN's (mmdet's 'on_input')
+        if extra == "p6p7":
             extra_block = LastLevelP6P7(in_channels[-1], out_channels)
+            extra_block.use_P5 = False  # P6 from C5 whatever its width (mmdet's 'on_input'); torchvision
+            # would switch to P5 when C5 is as wide as the FPN (pvt_v2_b0: 256)
             strides += [strides[-1] * 2, strides[-1] * 4]
         elif extra == "maxpool":
             extra_block = LastLevelMaxPool()
@@ -58,6 +61,17 @@ class BackboneFPN(nn.Module):
     def forward(self, x: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
         maps = self.body.features(x)
         return self.fpn(OrderedDict((str(i), maps[level]) for i, level in enumerate(self.levels)))
+
+
+def check_options(detector: str, options: dict[str, Any]) -> None:
+    """Unknown names would vanish into the transform's ``**kwargs``: refuse them instead."""
+    classes = (RetinaNet,) if detector == "retinanet" else (MaskRCNN, FasterRCNN)
+    known = {name for cls in classes for name in inspect.signature(cls.__init__).parameters}
+    known -= {"self", "kwargs", "backbone", "num_classes"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"task.{detector} has no option {unknown}; torchvision's {classes[0].__name__} "
+                         f"takes {', '.join(sorted(known))}")
 
 
 def default_levels(detector: str, num_levels: int) -> list[int]:
@@ -81,6 +95,7 @@ def build_detector(body: nn.Module, detector: str, num_classes: int, *, min_size
         raise ValueError(f"unknown detector '{detector}'; available: {', '.join(DETECTORS)}")
     if not hasattr(body, "features"):
         raise ValueError(f"{type(body).__name__} has no features(): it cannot feed a detector")
+    check_options(detector, options or {})
     levels = list(levels) if levels is not None else default_levels(detector, len(body.feature_strides))
     backbone = BackboneFPN(body, levels, fpn_channels, "p6p7" if detector == "retinanet" else "maxpool")
     scale = anchor_scale or DEFAULT_ANCHOR_SCALE[detector]

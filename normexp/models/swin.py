@@ -25,7 +25,8 @@ count of the stage the slot belongs to (a merged map belongs to the stage it sta
 ``img_size`` sets the grid the attention masks are built for; ``dynamic_img_size=True`` (timm's
 ``strict_img_size=False``) accepts any size divisible by the patch. ``features(x)`` returns the four
 stage maps (before the final norm, as timm's ``features_only``) in NCHW at strides
-``patch_size * (1, 2, 4, 8)``.
+``patch_size * (1, 2, 4, 8)``; ``feature_norms=True`` (dense tasks) puts a norm on each of them, as the
+official detection backbone does (``feature_norms.<stage>`` slots, on that stage's grid).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class _GridHook:
 class Swin(SwinTransformer):
     """timm's Swin that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, feature_norms: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.stage_layouts = [TokenLayout(num_prefix_tokens=0) for _ in self.layers]
         self._block_offset = []
@@ -69,6 +70,10 @@ class Swin(SwinTransformer):
         patch = self.patch_embed.patch_size[0]
         self.feature_channels = [stage.blocks[0].dim for stage in self.layers]
         self.feature_strides = [patch * 2 ** i for i in range(len(self.layers))]
+        # The official detection backbone normalises every stage output it hands to the FPN (dense tasks:
+        # ``feature_norms=True``; LayerNorm here, swapped for the configured normalizer like every slot).
+        self.feature_norms = nn.ModuleList(nn.LayerNorm(c) for c in self.feature_channels) \
+            if feature_norms else None
 
     def norm_context(self, name: str) -> dict[str, Any]:
         """Context for the norm slot ``name``: its block index, head count and stage token layout."""
@@ -80,6 +85,8 @@ class Swin(SwinTransformer):
                 block = self._block_offset[stage] + int(parts[3])
         elif parts[0] == "patch_embed":
             stage = 0
+        elif parts[0] == "feature_norms":
+            stage = int(parts[1])
         else:  # final norm (and anything after the last stage)
             stage = len(self.layers) - 1
         layout = self.stage_layouts[stage]
@@ -87,12 +94,13 @@ class Swin(SwinTransformer):
                 "num_prefix_tokens": layout.num_prefix_tokens}
 
     def features(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The stage maps, NCHW, at ``feature_strides`` (timm's stage outputs, no extra norm)."""
+        """The stage maps, NCHW, at ``feature_strides`` (timm's stage outputs; normed with feature_norms)."""
         x = self.patch_embed(x)
         maps = []
-        for stage in self.layers:
+        for i, stage in enumerate(self.layers):
             x = stage(x)
-            maps.append(x.permute(0, 3, 1, 2).contiguous())
+            out = self.feature_norms[i](x) if self.feature_norms is not None else x
+            maps.append(out.permute(0, 3, 1, 2).contiguous())
         return maps
 
 

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from tqdm import tqdm
 
+from .. import CONFIG_DIR
 from ..data.coco import DetectionData, build_detection_data
 from ..engine.checkpoint import load_checkpoint
 from ..engine.trainer import Trainer
@@ -30,8 +31,9 @@ from .robustness import checkpoint_run_config
 
 log = logging.getLogger(__name__)
 
-# Weights detection adds to a classification backbone (they are not in its checkpoint).
-DENSE_ONLY_PREFIXES = ("pyramid.",)
+# Weights detection adds to a classification backbone (they are not in its checkpoint): a plain model's
+# simple pyramid, Swin's per-stage output norms.
+DENSE_ONLY_PREFIXES = ("pyramid.", "feature_norms.")
 
 
 class DetectionTrainer(Trainer):
@@ -51,8 +53,8 @@ class DetectionTrainer(Trainer):
         masks = hasattr(model, "roi_heads") and model.roi_heads.has_mask()  # Mask R-CNN
         bbox, segm = [], []
         for images, targets in tqdm(self.data.val, desc=prefix, disable=not self.progress, leave=False):
-            with self.autocast():
-                outputs = model([image.to(self.device) for image in images])
+            # float32: torchvision decodes boxes in the regression dtype, and bf16 steps by 4 px at 1000 px
+            outputs = model([image.to(self.device) for image in images])
             for target, output in zip(targets, outputs, strict=True):
                 b, s = coco_results(int(target["image_id"]), output, self.data.category_ids, masks)
                 bbox += b
@@ -86,6 +88,8 @@ def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
 
     The backbone keeps its classification geometry (``img_size``, ``num_classes``), so its weights load as
     they are; dense tasks run it at other input sizes (ViT and Swin resample, LeViT gets resized inputs).
+    What belongs to this run stays this run's: ``drop_path_rate`` (the detection recipe's) and the ``dense``
+    settings (from the backbone's config file, so runs recorded before a family had them still work).
     """
     if cfg.task.detector not in DETECTORS:
         raise UserError(f"unknown task.detector '{cfg.task.detector}'; available: {', '.join(DETECTORS)}")
@@ -102,9 +106,15 @@ def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
     if (trained["backbone"]["name"], trained["norm"]["name"]) != (cfg.backbone.name, cfg.norm.name):
         log.info("backbone from %s: %s with norm=%s (configured: %s with norm=%s)", cfg.task.pretrained,
                  trained["backbone"]["name"], trained["norm"]["name"], cfg.backbone.name, cfg.norm.name)
+    backbone = dict(trained["backbone"])
+    if "drop_path_rate" in cfg.backbone:
+        backbone["drop_path_rate"] = cfg.backbone.drop_path_rate
+    backbone_file = CONFIG_DIR / "backbone" / f"{backbone['name']}.yaml"
+    if backbone_file.is_file():
+        backbone["dense"] = OmegaConf.to_container(OmegaConf.load(backbone_file)).get("dense")
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
-        cfg.backbone = trained["backbone"]
+        cfg.backbone = backbone
         cfg.norm = trained["norm"]
     return cfg
 

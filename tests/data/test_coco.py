@@ -72,8 +72,9 @@ def broken_copy(root, tmp_path, edit):
     (lambda d: d["annotations"][1].update(category_id=99), r"annotation 1 \(id 2\): field 'category_id'"),
     (lambda d: d["annotations"][0].update(image_id=12345), r"annotation 0 \(id 1\): field 'image_id'"),
     (lambda d: d["annotations"][3].pop("area"), r"annotation 3 \(id 4\): field 'area'"),
-    (lambda d: d["annotations"][0].update(segmentation=[[1, 2]]),
+    (lambda d: d["annotations"][0].update(segmentation="a polygon"),
      r"annotation 0 \(id 1\): field 'segmentation'"),
+    (lambda d: d["annotations"][5].pop("iscrowd"), r"annotation 5 \(id 6\): field 'iscrowd'"),
     (lambda d: d["images"][1].update(width="64"), r"image 1 \(id \d+\): field 'width'"),
     (lambda d: d.pop("categories"), "top-level field 'categories'"),
 ])
@@ -90,3 +91,38 @@ def test_category_count_must_match_the_config(root):
                                 eval_batch_size=2, num_workers=0))
     with pytest.raises(UserError, match="has 10 categories but data.num_classes=80"):
         build_detection_data(cfg, seed=0, masks=False)
+
+
+def test_degenerate_polygons_are_dropped_not_fatal(root, tmp_path):
+    """COCO 2017 holds a few polygons of under 3 points: such a polygon is dropped; an instance left
+    without any is no Mask R-CNN target (it still counts as ground truth for COCOeval)."""
+    def edit(d):
+        first = [a for a in d["annotations"] if a["image_id"] == d["images"][0]["id"]]
+        first[0]["segmentation"] = [[1, 2, 3, 4]]
+        first[1]["segmentation"] = [[1, 2, 3, 4], [10, 10, 20, 10, 20, 20, 10, 20]]
+    data = CocoDetection(broken_copy(root, tmp_path, edit), "val2017", masks=True)
+    _, target = data[0]
+    count = len(data.coco.imgToAnns[data.image_ids[0]])
+    assert len(target["labels"]) == len(target["masks"]) == count - 1
+    assert target["masks"][0].sum() == 100  # the square that remains
+
+
+def test_gapped_category_ids_map_to_contiguous_labels_and_back(root, tmp_path):
+    """COCO's ids run 1..90 with gaps: labels are 1..K in id order, and results name the original ids."""
+    from normexp.metrics.coco import coco_evaluate, coco_results
+
+    def edit(d):
+        for cat in d["categories"]:
+            cat["id"] = cat["id"] * 7 + 3
+        for ann in d["annotations"]:
+            ann["category_id"] = ann["category_id"] * 7 + 3
+    data = CocoDetection(broken_copy(root, tmp_path, edit), "val2017", masks=False)
+    assert data.category_ids == [d * 7 + 3 for d in range(1, 11)]
+    results = []
+    for i in range(len(data)):
+        _, target = data[i]
+        anns = data.coco.imgToAnns[data.image_ids[i]]
+        assert target["labels"].tolist() == [data.category_ids.index(a["category_id"]) + 1 for a in anns]
+        output = {**target, "scores": torch.ones(len(anns))}
+        results += coco_results(int(target["image_id"]), output, data.category_ids, masks=False)[0]
+    assert coco_evaluate(data.coco, results, "bbox")[0]["AP"] == 1.0

@@ -44,6 +44,16 @@ def test_ground_truth_as_predictions_scores_one(val):
         assert "Average Precision" in table
 
 
+def test_background_label_detections_are_dropped(val):
+    _, target = val[0]
+    output = {"boxes": torch.tensor([[1.0, 2.0, 30.0, 40.0], [5.0, 5.0, 20.0, 20.0]]),
+              "labels": torch.tensor([0, 3]), "scores": torch.tensor([0.9, 0.8]),
+              "masks": torch.ones(2, 1, 64, 64)}
+    bbox, segm = coco_results(7, output, val.category_ids, masks=True)
+    assert [r["category_id"] for r in bbox] == [r["category_id"] for r in segm] == [val.category_ids[2]]
+    assert bbox[0]["bbox"] == [5.0, 5.0, 15.0, 15.0] and bbox[0]["score"] == pytest.approx(0.8)
+
+
 def test_shifted_boxes_score_less_and_no_detections_score_zero(val):
     bbox, _ = predictions(val, shift=4.0)
     stats, _ = coco_evaluate(val.coco, bbox, "bbox")

@@ -66,21 +66,28 @@ def pretrained_run(tmp_path, backbone="pvt_v2_micro", norm="dtn", img_size=16):
     run = tmp_path / f"pretrained-{backbone}-{norm}"
     run.mkdir()
     config = OmegaConf.to_container(cfg, resolve=True)
+    config["backbone"].pop("dense", None)  # as runs recorded before the dense settings existed
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     save_checkpoint(run / "checkpoint.pth", {"epoch": 1, "model": model.state_dict(), "config": config})
     return run, model
 
 
-@pytest.mark.parametrize("backbone,norm", [("pvt_v2_micro", "dtn"), ("vit_micro", "dyt")])
+@pytest.mark.parametrize("backbone,norm",
+                         [("pvt_v2_micro", "dtn"), ("vit_micro", "dyt"), ("swin_micro", "dtn")])
 def test_pretrained_classification_weights_load_into_the_backbone(tmp_path, backbone, norm):
     run, classifier = pretrained_run(tmp_path, backbone, norm)
-    cfg = with_pretrained_backbone(detection_cfg(f"task.pretrained={run}"))
+    cfg = with_pretrained_backbone(detection_cfg(f"task.pretrained={run}", "backbone.drop_path_rate=0.05"))
     assert (cfg.backbone.name, cfg.norm.name, cfg.backbone.img_size) == (backbone, norm, 16)  # the run's
+    assert cfg.backbone.drop_path_rate == 0.05  # how it trains here is this run's choice
     model = build_detection_model(cfg, 11)
     loaded = model.backbone.body.state_dict()
     for name, weight in classifier.state_dict().items():
         assert torch.equal(loaded[name], weight), name
-    assert set(loaded) - set(classifier.state_dict()) == {k for k in loaded if k.startswith("pyramid.")}
+    added = set(loaded) - set(classifier.state_dict())  # a plain model's pyramid, Swin's stage-output norms
+    assert added == {k for k in loaded if k.startswith(("pyramid.", "feature_norms."))}
+    assert added or backbone.startswith("pvt")
+    assert all(type(m).__name__ == type(model.backbone.body.norm).__name__
+               for m in getattr(model.backbone.body, "feature_norms", None) or [])  # the run's normalizer
     # DTN's positional parameters were learnt on a 16 px grid; the detector runs them on 64 px canvases
     model.eval()
     with torch.no_grad():
@@ -157,6 +164,17 @@ def test_paper_levels_over_a_pyramid_of_four():
         cfg.task.detector = detector
         model = build_detection_model(cfg, 11)
         assert (model.backbone.levels, model.backbone.strides) == (levels, strides)
+    # RetinaNet's P6 comes from C5 (mmdet's 'on_input'), even when C5 is as wide as the FPN (256 here)
+    cfg.task.detector = "retinanet"
+    extra = build_detection_model(cfg, 11).backbone.fpn.extra_blocks
+    assert not extra.use_P5 and extra.p6.in_channels == 256
+
+
+def test_unknown_torchvision_option_is_refused(tmp_path):
+    cfg = detection_cfg("+task.retinanet.topk_candidate=10")
+    with pytest.raises(UserError, match=r"task.retinanet has no option \['topk_candidate'\]"):
+        build_detection_model(cfg, 11)
+    build_detection_model(detection_cfg("+task.retinanet.topk_candidates=10"), 11)
 
 
 @pytest.mark.slow
