@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 from dataclasses import dataclass
 from numbers import Number
 from pathlib import Path
@@ -28,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..errors import UserError
 from .coco_digits import generate_coco_digits
-from .loaders import make_loader
+from .loaders import default_cache_dir, make_loader
 
 LAYOUT = "<root>/annotations/instances_<split>.json and <root>/<split>/*.jpg"
 
@@ -190,16 +189,15 @@ class DetectionData:
 def detection_root(cfg: Any) -> Path:
     """The COCO tree of ``data``: the given root, or the generated digits dataset."""
     if cfg.name == "coco_digits" and not cfg.root:
-        cache = Path(os.environ.get("NORMEXP_CACHE_DIR")
-                     or Path(os.environ.get("NORMEXP_OUTPUT_DIR", "outputs")) / "dataset_cache")
-        return generate_coco_digits(cache, OmegaConf.to_container(cfg, resolve=True))
-    check_coco_root(cfg.root, (cfg.get("train_split", "train2017"), cfg.get("val_split", "val2017")))
+        return generate_coco_digits(default_cache_dir("dataset_cache"),
+                                    OmegaConf.to_container(cfg, resolve=True))
+    check_coco_root(cfg.root, (cfg.train_split, cfg.val_split))
     return Path(cfg.root)
 
 
 def build_detection_data(cfg: Any, seed: int, masks: bool) -> DetectionData:
     root = detection_root(cfg)
-    train_split, val_split = cfg.get("train_split", "train2017"), cfg.get("val_split", "val2017")
+    train_split, val_split = cfg.train_split, cfg.val_split
     train = CocoDetection(root, train_split, masks, hflip=cfg.hflip)
     val = CocoDetection(root, val_split, masks)
     if train.category_ids != val.category_ids:

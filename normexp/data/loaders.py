@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,6 +20,14 @@ class ClassificationData:
     num_classes: int
     img_size: int
     in_chans: int
+
+
+def default_cache_dir(kind: str) -> Path:
+    """Where generated data is kept: $NORMEXP_CACHE_DIR, else <outputs>/<kind>. Read from the environment,
+    not the config, so that where a cache lives never changes a run's identity."""
+    if os.environ.get("NORMEXP_CACHE_DIR"):
+        return Path(os.environ["NORMEXP_CACHE_DIR"])
+    return Path(os.environ.get("NORMEXP_OUTPUT_DIR", "outputs")) / kind
 
 
 def seed_worker(worker_id: int) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from ..errors import UserError
 
@@ -39,3 +40,12 @@ def load_model_state(model: torch.nn.Module, state_dict: dict[str, Any], source:
         first = str(e).strip().splitlines()
         detail = " ".join(line.strip() for line in first[:3])
         raise UserError(f"checkpoint '{source}' does not match the configured model: {detail[:400]}") from e
+
+
+def checkpoint_run_config(source: str | Path) -> dict[str, Any] | None:
+    """The resolved config of the run that wrote a checkpoint (None for a foreign file without one)."""
+    path = Path(source)
+    if (path / "config.yaml").is_file():
+        return yaml.safe_load((path / "config.yaml").read_text())
+    state = load_checkpoint(path)
+    return state.get("config") if isinstance(state, dict) else None

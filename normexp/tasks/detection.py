@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from .. import CONFIG_DIR
 from ..data.coco import DetectionData, build_detection_data
-from ..engine.checkpoint import load_checkpoint
+from ..engine.checkpoint import checkpoint_run_config, load_checkpoint
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..metrics.coco import coco_evaluate, coco_results
@@ -27,7 +27,6 @@ from ..models import build_backbone
 from ..models.detection import DETECTORS, build_detector
 from ..models.stats import count_params
 from ..tracking.records import RunRecord
-from .robustness import checkpoint_run_config
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import contextlib
 import copy
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..data.corruptions import CorruptionSuite, build_corruption_suite
-from ..engine.checkpoint import load_checkpoint, load_model_state
+from ..data.loaders import default_cache_dir
+from ..engine.checkpoint import checkpoint_run_config, load_checkpoint, load_model_state
 from ..engine.trainer import AMP_DTYPES, resolve_device, show_progress
 from ..errors import UserError
 from ..metrics.robustness import (
@@ -244,25 +244,13 @@ def evaluate_robustness(settings: Any, data_cfg: Any, model: nn.Module, record: 
 
 
 def resolve_cache_dir(setting: str | None) -> Path | None:
-    """``auto``: $NORMEXP_CACHE_DIR, else <outputs>/corruption_cache -- kept out of the config so that where
-    the cache lives never changes a run's identity."""
+    """``auto``: the default cache directory; null: no cache."""
     if setting != "auto":
         return Path(setting) if setting else None
-    if os.environ.get("NORMEXP_CACHE_DIR"):
-        return Path(os.environ["NORMEXP_CACHE_DIR"])
-    return Path(os.environ.get("NORMEXP_OUTPUT_DIR", "outputs")) / "corruption_cache"
+    return default_cache_dir("corruption_cache")
 
 
 # ---------------------------------------------------------------- the checkpoint's model
-def checkpoint_run_config(source: str | Path) -> dict[str, Any] | None:
-    """The resolved config of the run that wrote a checkpoint (None for a foreign file without one)."""
-    path = Path(source)
-    if (path / "config.yaml").is_file():
-        return yaml.safe_load((path / "config.yaml").read_text())
-    state = load_checkpoint(path)
-    return state.get("config") if isinstance(state, dict) else None
-
-
 def with_checkpoint_model(cfg: DictConfig) -> DictConfig:
     """The config with the checkpoint run's backbone and norm in place of the configured ones.
 

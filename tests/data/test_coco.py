@@ -87,7 +87,8 @@ def test_malformed_annotation_names_the_annotation_and_field(root, tmp_path, edi
 
 def test_category_count_must_match_the_config(root):
     from omegaconf import OmegaConf
-    cfg = OmegaConf.create(dict(name="coco", root=str(root), num_classes=80, hflip=0.0, batch_size=2,
+    cfg = OmegaConf.create(dict(name="coco", root=str(root), train_split="train2017", val_split="val2017",
+                                num_classes=80, hflip=0.0, batch_size=2,
                                 eval_batch_size=2, num_workers=0))
     with pytest.raises(UserError, match="has 10 categories but data.num_classes=80"):
         build_detection_data(cfg, seed=0, masks=False)
