@@ -5,7 +5,13 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install demo test test-fast lint format clean-runs
+SCALE  ?= smoke
+SEEDS  ?=
+LAUNCHER ?=
+TABLES := $(sort $(basename $(notdir $(wildcard configs/table/*.yaml))))
+TABLE_ARGS = --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(LAUNCHER),--launcher $(LAUNCHER))
+
+.PHONY: help install demo test test-fast lint format clean-runs tables $(addprefix table-,$(TABLES))
 
 help:
 	@echo "make install    create $(VENV) and install normexp with its dev extras"
@@ -13,6 +19,9 @@ help:
 	@echo "make test       run the whole test suite (slow end-to-end checks included)"
 	@echo "make test-fast  run the tests not marked slow"
 	@echo "make lint       ruff check"
+	@echo "make table-<id> run what a paper table needs, then render it [SCALE=smoke|full] [SEEDS=0,1,2]"
+	@echo "                [LAUNCHER=submitit_slurm]; tables: $(TABLES)"
+	@echo "make tables     every table (one after another; the others go on when one has a failed run)"
 
 install: $(STAMP)
 
@@ -35,6 +44,12 @@ lint: install
 
 format: install
 	$(VENV)/bin/ruff format .
+
+$(addprefix table-,$(TABLES)): table-%: install
+	$(PY) -m normexp table run $* $(TABLE_ARGS)
+
+tables: install
+	@status=0; for t in $(TABLES); do $(PY) -m normexp table run $$t $(TABLE_ARGS) || status=1; done; exit $$status
 
 clean-runs:
 	rm -rf outputs multirun

@@ -1,4 +1,8 @@
-"""``python -m normexp [group=option ...] [key=value ...]``: compose the config, then run it."""
+"""``normexp [group=option ...] [key=value ...]``: compose the config, then run it (a Hydra app).
+
+``normexp <command> ...`` runs one of the tools instead: ``table`` (paper tables), ``compare`` (compare run
+records); ``normexp <command> --help`` says more.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from . import CONFIG_DIR
@@ -14,25 +19,45 @@ from .errors import UserError
 
 log = logging.getLogger("normexp")
 
+# ``normexp <command>``: tools that are not training runs (a Hydra override always contains '=').
+COMMANDS = {"table": "normexp.tables.cli", "compare": "normexp.compare"}
+
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def run_app(cfg: DictConfig) -> float | None:
     from .run import run  # heavy imports after Hydra has parsed the command line (fast --help/--cfg)
 
-    run_dir = HydraConfig.get().runtime.output_dir
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
     try:
         summary = run(cfg, run_dir)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            raise  # the sweep records this job as failed and carries on with the others
         sys.exit(2)
-    best = summary["metrics"].get("best", {})
     log.info("run record: %s", run_dir)
     print(f"run record: {run_dir}")
+    if summary["status"] == "diverged":
+        print(f"{summary['error']} -- recorded as a result (status 'diverged')")
+        return None
+    best = summary["metrics"].get("best", {})
     metric = cfg.trainer.get("best_metric") if "trainer" in cfg else None
     if metric and metric in best:
         print(f"best {metric}: {best[metric]:.2f} (epoch {best['epoch']})")
         return float(best[metric])  # returned to Hydra sweepers
     return None
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
+        import importlib
+
+        command = sys.argv.pop(1)
+        sys.argv[0] = f"normexp {command}"
+        importlib.import_module(COMMANDS[command]).main()
+        return
+    run_app()
 
 
 if __name__ == "__main__":

@@ -109,3 +109,23 @@ def test_resume_after_a_crash_continues_exactly(tmp_path, monkeypatch):
     resumed = run(quick_cfg(f"trainer.resume={tmp_path / 'crashed'}", epochs=3), tmp_path / "resumed")
     assert [r["epoch"] for r in read_metrics(tmp_path / "resumed") if "val/top1" in r] == [3]
     assert resumed["metrics"]["final"] == uninterrupted["metrics"]["final"]
+
+
+def test_divergence_is_a_result_with_the_last_finite_metrics(run_dir):
+    summary = run(quick_cfg("norm=dyt", "norm.squash=identity", "trainer.lr=0.05", epochs=2), run_dir)
+    on_disk = read_summary(run_dir)
+    assert summary["status"] == on_disk["status"] == "diverged"
+    step = on_disk["diverged"]["step"]
+    assert 1 <= step <= 10 and on_disk["error"].startswith(f"diverged at step {step}")
+    last = on_disk["metrics"]["last_finite"]
+    assert last["step"] == step - 1 and last["train/loss"] > 0  # the loss of the step before
+    last_row = read_metrics(run_dir)[-1]
+    assert last_row["diverged"] is True and last_row["step"] == step
+    assert last_row["train/loss"] in (None, "inf")
+
+
+def test_max_loss_bounds_the_loss(run_dir):
+    """Initial loss is ~2.3 (10 classes): a bound of 1.0 stops the first step, None lets it train."""
+    summary = run(quick_cfg("trainer.max_loss=1.0"), run_dir)
+    assert summary["status"] == "diverged" and summary["diverged"]["step"] == 1
+    assert "last_finite" not in summary["metrics"] and summary["metrics"]["final"] == {}

@@ -34,6 +34,17 @@ log = logging.getLogger(__name__)
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class Diverged(Exception):
+    """Training diverged: a non-finite loss, or one above ``trainer.max_loss``. A result, not a crash."""
+
+    def __init__(self, step: int, epoch: int, loss: float, metrics: dict[str, Any],
+                 last_finite: dict[str, Any] | None) -> None:
+        super().__init__(f"diverged at step {step} (epoch {epoch}): loss {loss:.4g}")
+        self.step, self.epoch, self.loss = step, epoch, loss
+        self.metrics = metrics  # the evaluations before divergence: {"final": ..., "best": ...}
+        self.last_finite = last_finite  # the last finite training loss, its step and epoch
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -101,6 +112,8 @@ class Trainer:
             if cfg.ema.enabled else None
         self.start_epoch = 0
         self.train_images, self.train_seconds = 0, 0.0
+        self.metrics: dict[str, Any] = {"final": {}, "best": {}}
+        self.last_finite_loss: dict[str, Any] | None = None
         if cfg.resume:
             self.resume(cfg.resume)
 
@@ -116,8 +129,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- loop
     def fit(self) -> dict[str, Any]:
+        """Train and evaluate; returns ``{"final": last evaluation, "best": best evaluation}``.
+
+        On divergence :class:`Diverged` propagates with the metrics reached so far (the last finite ones), so
+        the run record can say where it diverged and what it had reached.
+        """
         best: dict[str, Any] = {}
         final: dict[str, Any] = {}
+        self.metrics = {"final": final, "best": best}
         for epoch in range(self.start_epoch, self.cfg.epochs):
             train_stats = self.train_one_epoch(epoch)
             row = {"epoch": epoch + 1, "step": (epoch + 1) * self.updates_per_epoch, **train_stats}
@@ -129,6 +148,7 @@ class Trainer:
                 final["epoch"] = epoch + 1
                 if not best or final[self.cfg.best_metric] > best[self.cfg.best_metric]:
                     best = dict(final)
+                self.metrics = {"final": final, "best": best}
                 log.info("epoch %d/%d  %s", epoch + 1, self.cfg.epochs,
                          "  ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
             self.record.log(row)
@@ -145,8 +165,7 @@ class Trainer:
             step = epoch * self.updates_per_epoch + i
             images, targets = to_device(images, self.device), to_device(targets, self.device)
             loss = self.compute_loss(images, targets)
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch + 1}, step {step}")
+            self.check_divergence(loss.item(), step + 1, epoch + 1)
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
@@ -202,6 +221,13 @@ class Trainer:
             seen += images.shape[0]
         return {f"{prefix}/loss": loss_sum / seen, f"{prefix}/top1": 100 * correct1 / seen,
                 f"{prefix}/top5": 100 * correct5 / seen}
+
+    def check_divergence(self, loss: float, step: int, epoch: int) -> None:
+        """Stop at a non-finite loss or one above ``trainer.max_loss`` (null: non-finite only)."""
+        max_loss = self.cfg.get("max_loss")
+        if not math.isfinite(loss) or (max_loss is not None and loss > max_loss):
+            raise Diverged(step, epoch, loss, self.metrics, self.last_finite_loss)
+        self.last_finite_loss = {"step": step, "epoch": epoch, "train/loss": loss}
 
     @property
     def images_per_s(self) -> float:

@@ -123,3 +123,10 @@ def vit_small_star(**kwargs: Any) -> ViT:
 @register_model
 def vit_base_star(**kwargs: Any) -> ViT:
     return _vit(dict(patch_size=16, embed_dim=768, depth=12, num_heads=16, qkv_bias=False), **kwargs)
+
+
+@register_model
+def vit_micro_star(**kwargs: Any) -> ViT:
+    """``vit_micro`` built as the DTN code builds its ViTs (no qkv bias; the class token joins late: the
+    config's ``dtn_blocks``): the CPU member for the ``*_star`` and DTN-code ViTs at smoke scale."""
+    return _vit(dict(img_size=16, patch_size=2, embed_dim=96, depth=6, num_heads=4, qkv_bias=False), **kwargs)

@@ -23,3 +23,9 @@ PREPARE_CONFIG: dict[str, Callable[[DictConfig], DictConfig]] = {
     "robustness": with_checkpoint_model,
     "detection": with_pretrained_backbone,
 }
+
+
+def prepare_config(cfg: DictConfig) -> DictConfig:
+    """The config a task actually runs (e.g. a checkpoint's model in place of the configured one)."""
+    prepare = PREPARE_CONFIG.get(cfg.task.name)
+    return prepare(cfg) if prepare else cfg

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import os
 import platform
 import random
 import subprocess
@@ -17,8 +19,9 @@ import torch
 PACKAGES = ("torch", "torchvision", "timm", "hydra-core", "omegaconf", "wandb", "numpy", "scikit-learn",
             "pillow", "imagecorruptions-imaug", "pycocotools", "normexp")
 
-# Config keys that do not change what a run computes; left out of its identity.
-NON_IDENTITY_KEYS = ("logger",)
+# Config keys that do not change what a run computes; left out of its identity. ``table`` says which table
+# and row a run serves: the same run can serve several (e.g. a baseline shared by two tables).
+NON_IDENTITY_KEYS = ("logger", "table", "trainer.progress", "trainer.resume")
 
 
 def seed_everything(seed: int) -> None:
@@ -39,6 +42,17 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
+def hardware() -> dict[str, Any]:
+    """The machine a run ran on: accelerator (or cpu), how many, CPU cores, platform."""
+    cuda = torch.cuda.is_available()
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "gpus": torch.cuda.device_count() if cuda else 0,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(terse=True),
+    }
+
+
 def git_state(path: Path | None = None) -> dict[str, Any]:
     """Commit and dirty flag of the checkout holding this package (None outside a git checkout)."""
     cwd = path or Path(__file__).resolve().parent
@@ -57,5 +71,12 @@ def git_state(path: Path | None = None) -> dict[str, Any]:
 
 def config_hash(config: dict[str, Any]) -> str:
     """Identity of a run: sha256 of its resolved config (seed included), less ``NON_IDENTITY_KEYS``."""
-    identity = {k: v for k, v in config.items() if k not in NON_IDENTITY_KEYS}
+    identity = copy.deepcopy(config)
+    for key in NON_IDENTITY_KEYS:
+        *parents, leaf = key.split(".")
+        node = identity
+        for parent in parents:
+            node = node.get(parent) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]

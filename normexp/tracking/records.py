@@ -9,15 +9,18 @@ A run directory holds:
 ``summary.json`` schema (version 1)::
 
     schema_version: 1
-    status:        running | completed | failed
-    error:         one line, when failed
+    status:        running | completed | diverged | failed
+    error:         one line, when diverged or failed
+    diverged:      {step, epoch, loss} of the first non-finite (or too large) training loss, when diverged
     run_id:        config hash (resolved config + seed, less logger settings)
     name, task, seed
-    metrics:       {"final": {...last evaluation...}, "best": {...best evaluation...}}
+    metrics:       {"final": {...last evaluation...}, "best": {...best evaluation...}}; a diverged run keeps
+                   the last finite ones and adds "last_finite": {step, epoch, train/loss}
     params:        trainable + frozen parameter count
     gmacs:         multiply-accumulates of one forward pass at the input size, in 1e9 (papers' "FLOPs")
     images_per_s:  training throughput over the run (images / second of training steps)
-    wall_time_s, started_at, finished_at, git {commit, dirty}, versions {package: version}
+    wall_time_s, started_at, finished_at, git {commit, dirty}, versions {package: version},
+    hardware {device, gpus, cpu_count, platform}
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from .provenance import config_hash, git_state, package_versions
+from .provenance import config_hash, git_state, hardware, package_versions
 
 SCHEMA_VERSION = 1
 
@@ -83,10 +86,11 @@ class RunRecord:
             "started_at": _now(),
             "git": git_state(),
             "versions": package_versions(),
+            "hardware": hardware(),
         }
         (self.dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         write_json_atomic(self.dir / "summary.json", self.summary)
-        self._metrics = (self.dir / "metrics.jsonl").open("a")
+        self._metrics = (self.dir / "metrics.jsonl").open("w")  # a rerun in the same directory starts afresh
 
     @property
     def checkpoint_path(self) -> Path:

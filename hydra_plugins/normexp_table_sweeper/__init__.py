@@ -1,0 +1,1 @@
+"""normexp's Hydra sweeper plugin: ``hydra/sweeper=table`` runs the runs of a paper table (normexp.tables)."""

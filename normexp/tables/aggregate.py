@@ -1,0 +1,183 @@
+"""Run records -> table cells: mean +- std over seeds, markers for runs that are not results, deltas.
+
+A cell of row r and metric m holds the values of m over r's runs that completed (one per seed), their mean,
+sample std and n, and one marker per run that did not: ``diverged@<step>`` (a result: the loss became
+non-finite at that step), ``failed: <first line of the error>``, ``running``, or ``missing`` (no record).
+Deltas are taken against the spec's baseline row (same labels except what the baseline rule sets): ours
+from the two means, the paper's from its two published values.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..metrics.robustness import CORRUPTIONS
+from .plan import PlannedRun, TablePlan
+from .spec import Metric, Point, TableSpec, get_path
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+# ---------------------------------------------------------------- metrics computed across two runs
+def _corruption_errors(summary: dict[str, Any]) -> tuple[dict[str, float], float | None] | None:
+    results = get_path(summary, "metrics.robustness") or {}
+    errors = {c: _number(results.get(f"err/{c}")) for c in CORRUPTIONS}
+    if any(v is None for v in errors.values()):
+        return None
+    return errors, _number(results.get("clean_err"))  # type: ignore[return-value]
+
+
+def mce_vs_baseline(summary: dict[str, Any], baseline: dict[str, Any]) -> float | None:
+    """mCE (%) with the baseline run's errors as the normaliser (Hendrycks & Dietterich 2019, Sec. 4)."""
+    own, ref = _corruption_errors(summary), _corruption_errors(baseline)
+    if own is None or ref is None:
+        return None
+    return 100 * statistics.fmean(own[0][c] / ref[0][c] for c in CORRUPTIONS)
+
+
+def relative_mce_vs_baseline(summary: dict[str, Any], baseline: dict[str, Any]) -> float | None:
+    """Relative mCE (%): each corruption's error above the clean error, over the baseline's."""
+    own, ref = _corruption_errors(summary), _corruption_errors(baseline)
+    if own is None or ref is None or own[1] is None or ref[1] is None:
+        return None
+    ratios = [(own[0][c] - own[1]) / (ref[0][c] - ref[1]) for c in CORRUPTIONS if ref[0][c] != ref[1]]
+    return 100 * statistics.fmean(ratios) if ratios else None
+
+
+DERIVED: dict[str, Callable[[dict[str, Any], dict[str, Any]], float | None]] = {
+    "mce_vs_baseline": mce_vs_baseline,
+    "relative_mce_vs_baseline": relative_mce_vs_baseline,
+}
+DERIVED_NOTES = {
+    "mce_vs_baseline": "mCE normalised by the baseline row's errors (same seed)",
+    "relative_mce_vs_baseline": "relative mCE normalised by the baseline row's errors (same seed)",
+}
+
+
+# ---------------------------------------------------------------- cells
+@dataclass
+class Cell:
+    values: list[float] = field(default_factory=list)
+    markers: list[str] = field(default_factory=list)
+    paper: Any = None
+    delta: float | None = None
+    paper_delta: float | None = None
+    derived: bool = False  # a value was computed across runs (``Metric.derive``), not read from a record
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.values) if self.values else None
+
+    @property
+    def std(self) -> float | None:
+        return statistics.stdev(self.values) if len(self.values) > 1 else None
+
+
+@dataclass
+class Row:
+    labels: dict[str, Any]
+    points: list[tuple[Point, PlannedRun]]
+    cells: dict[str, Cell] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        return tuple(str(v) for v in self.labels.values())
+
+    @property
+    def run_as(self) -> list[str]:
+        """What actually ran for this row (the backbone of its runs' configs), e.g. a ``*_micro`` member."""
+        return sorted({str(get_path(run.config, "backbone.name")) for _, run in self.points})
+
+
+@dataclass
+class TableResult:
+    spec: TableSpec
+    plan: TablePlan
+    rows: list[Row]
+
+    @property
+    def derived_used(self) -> list[str]:
+        return sorted({m.derive for m in self.spec.metrics for r in self.rows
+                       if m.derive and r.cells[m.key].derived})
+
+
+def marker(run: PlannedRun) -> str | None:
+    """What a run that is not a completed result shows instead of a value."""
+    if run.record is None:
+        return "missing"
+    summary = run.record.summary
+    if run.status == "completed":
+        return None
+    if run.status == "diverged":
+        return f"diverged@{get_path(summary, 'diverged.step')}"
+    if run.status == "failed":
+        return f"failed: {summary.get('error', '')}".strip()
+    return run.status
+
+
+def metric_value(metric: Metric, summary: dict[str, Any]) -> float | None:
+    for path in metric.value:
+        value = _number(get_path(summary, path))
+        if value is not None:
+            return value * metric.scale
+    return None
+
+
+def aggregate(plan: TablePlan) -> TableResult:
+    spec = plan.spec
+    rows: dict[tuple[str, ...], Row] = {}
+    for point, run in plan.points:
+        rows.setdefault(point.row_key, Row(dict(point.labels), [])).points.append((point, run))
+    by_labels = {row.key: row for row in rows.values()}
+    for row in rows.values():
+        base_labels = spec.baseline_of(row.labels)
+        base = by_labels.get(tuple(str(v) for v in base_labels.values())) if base_labels else None
+        for metric in spec.metrics:
+            row.cells[metric.key] = _cell(spec, metric, row, base)
+    result = TableResult(spec, plan, list(rows.values()))
+    for row in result.rows:  # deltas once every row's cells exist
+        base_labels = spec.baseline_of(row.labels)
+        base = by_labels.get(tuple(str(v) for v in base_labels.values())) if base_labels else None
+        for metric in spec.metrics:
+            cell = row.cells[metric.key]
+            if not metric.delta or base is None or base is row:
+                continue
+            base_cell = base.cells[metric.key]
+            if cell.mean is not None and base_cell.mean is not None:
+                cell.delta = cell.mean - base_cell.mean
+            own, ref = _number(cell.paper), _number(base_cell.paper)
+            if own is not None and ref is not None:
+                cell.paper_delta = own - ref
+    return result
+
+
+def _cell(spec: TableSpec, metric: Metric, row: Row, base: Row | None) -> Cell:
+    cell = Cell(paper=spec.paper_value(row.labels, metric.key))
+    base_runs = {p.seed: r for p, r in base.points} if base is not None else {}
+    for point, run in sorted(row.points, key=lambda pr: pr[0].seed):
+        mark = marker(run)
+        if mark is not None:
+            cell.markers.append(mark)
+            continue
+        summary = run.record.summary  # type: ignore[union-attr]
+        value = metric_value(metric, summary)
+        if value is None and metric.derive:
+            base_run = base_runs.get(point.seed)
+            if base_run is not None and base_run.status == "completed":
+                value = DERIVED[metric.derive](summary, base_run.record.summary)  # type: ignore[union-attr]
+                cell.derived = value is not None
+        if value is None or not math.isfinite(value):
+            cell.markers.append("n/a")
+        else:
+            cell.values.append(value)
+    return cell

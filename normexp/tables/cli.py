@@ -1,0 +1,133 @@
+"""``normexp table``: run, render and list the paper tables (``python -m normexp.tables`` too).
+
+    normexp table list
+    normexp table run dyt_squash --scale smoke [--seeds 0,1,2] [--launcher submitit_slurm] [key=value ...]
+    normexp table run dtn_vit --scale full --dry-run     # the runs and their key settings, nothing launched
+    normexp table render dyt_squash --scale smoke         # re-render from the run records only
+
+``run`` plans the table (which runs it needs, which are done), launches the missing ones as one Hydra
+multirun with the table sweeper (``python -m normexp -m hydra/sweeper=table ...``, so any Hydra launcher can
+run them), then renders ``results/tables/<id>.{md,csv,tex,png}`` and ``<id>_curves.png`` from the records.
+It exits 1 when a run failed or is still missing (after rendering what there is), 0 otherwise -- a
+diverged run is a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..errors import UserError
+from .aggregate import aggregate
+from .plan import TablePlan, hydra_composer, plan_table
+from .render import RESULTS_DIR, to_markdown, write_table
+from .spec import list_scales, list_tables, load_scale, load_table
+from .sweep import print_plan
+
+
+def parse_seeds(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(s) for s in text.replace(" ", "").split(",") if s)
+    except ValueError:
+        raise UserError(f"--seeds takes a comma-separated list of integers, got '{text}'") from None
+
+
+def make_plan(table: str, scale: str, seeds: tuple[int, ...] | None, extra: list[str],
+              root: Path | None = None) -> TablePlan:
+    spec, scale_spec = load_table(table), load_scale(scale)
+    with hydra_composer() as compose:
+        return plan_table(spec, scale_spec, seeds, compose, root=root, extra=extra)
+
+
+def sweep_command(table: str, scale: str, seeds: tuple[int, ...] | None, launcher: str | None,
+                  extra: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "normexp", "-m", "hydra/sweeper=table", f"hydra.sweeper.table={table}",
+           f"hydra.sweeper.scale={scale}"]
+    if seeds:
+        cmd.append(f"hydra.sweeper.seeds=[{','.join(map(str, seeds))}]")
+    if launcher:
+        cmd.append(f"hydra/launcher={launcher}")
+    return cmd + extra
+
+
+def render(plan: TablePlan, out: Path) -> int:
+    result = aggregate(plan)
+    paths = write_table(result, out)
+    print(to_markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    unfinished = [r for r in plan.runs if not r.done]
+    if unfinished:
+        print(f"{len(unfinished)} run(s) without a result: "
+              + "; ".join(f"{r.dir_name} ({r.status})" for r in unfinished), file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    plan = make_plan(args.table, args.scale, args.seeds, args.overrides)
+    if args.dry_run:
+        print_plan(plan, dry_run=True)
+        return 0
+    if plan.to_run():
+        cmd = sweep_command(args.table, args.scale, args.seeds, args.launcher, args.overrides)
+        print("$ " + " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=False)  # failures are in the records; the table says which
+        plan = make_plan(args.table, args.scale, args.seeds, args.overrides)
+    else:
+        print_plan(plan, dry_run=False)
+    status = render(plan, args.out)
+    print(f"table {plan.spec.id} at scale {plan.scale.name}: {time.perf_counter() - start:.0f} s wall time")
+    return status
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    return render(make_plan(args.table, args.scale, args.seeds, args.overrides), args.out)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    for table in list_tables():
+        spec = load_table(table)
+        print(f"{table:16s} {spec.title}  [{spec.source or 'ours'}]")
+    print(f"\nscales: {', '.join(list_scales())}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="normexp table", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the tables and scales").set_defaults(func=cmd_list)
+    for name, func, what in (("run", cmd_run, "run what a table still needs, then render it"),
+                             ("render", cmd_render, "render a table from its run records")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("table", help="a table id (configs/table/<id>.yaml) or a table spec file")
+        p.add_argument("--scale", default="smoke", help="a scale (configs/scale/<name>.yaml) or a file")
+        p.add_argument("--seeds", type=parse_seeds, default=None, help="e.g. 0,1,2 (default: the scale's)")
+        p.add_argument("--out", type=Path, default=RESULTS_DIR / "tables", help="where the table files go")
+        p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (part of its identity)")
+        p.set_defaults(func=func)
+        if name == "run":
+            p.add_argument("--launcher", default=None,
+                           help="a Hydra launcher, e.g. submitit_slurm (default: in this process)")
+            p.add_argument("--dry-run", action="store_true", help="print the runs and their settings only")
+    args, unknown = parser.parse_known_args(argv)  # overrides may follow the options
+    if args.command != "list":
+        args.overrides += [u for u in unknown if "=" in u and not u.startswith("-")]
+        unknown = [u for u in unknown if u not in args.overrides]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        sys.exit(args.func(args))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

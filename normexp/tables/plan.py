@@ -1,0 +1,254 @@
+"""From a table spec and a scale to the runs it needs, and which of them already have a record.
+
+A run is identified by its resolved config (``run_id``, see ``normexp.tracking.provenance.config_hash``):
+each point is composed exactly as the job will be, and a record under ``<output root>/tables/`` with the
+same ``run_id`` and status ``completed`` or ``diverged`` makes the point done -- whichever table ran it.
+Points that compose to the same config (two paper rows on one micro member) share one run. New runs go to
+``<output root>/tables/<scale>/<table>/<name>-<run_id[:8]>``, so re-running a table finds them again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..errors import UserError
+from ..tracking.provenance import config_hash
+from .spec import Point, Scale, TableSpec, expand_blocks
+
+log = logging.getLogger(__name__)
+
+DONE = ("completed", "diverged")  # statuses that are results: such a run is never repeated
+ComposeFn = Callable[[list[str]], DictConfig]
+
+
+def output_root() -> Path:
+    return Path(os.environ.get("NORMEXP_OUTPUT_DIR", "outputs"))
+
+
+def tables_root(root: Path | None = None) -> Path:
+    return (root or output_root()) / "tables"
+
+
+def table_dir(table_id: str, scale: str, root: Path | None = None) -> Path:
+    return tables_root(root) / scale / table_id
+
+
+@dataclass
+class Record:
+    dir: Path
+    summary: dict[str, Any]
+
+    @property
+    def status(self) -> str:
+        return self.summary.get("status", "unknown")
+
+    @property
+    def config(self) -> dict[str, Any]:
+        import yaml
+
+        return yaml.safe_load((self.dir / "config.yaml").read_text()) or {}
+
+
+_RANK = {"completed": 3, "diverged": 3, "failed": 1, "running": 0}
+
+
+def index_records(root: Path) -> dict[str, Record]:
+    """``run_id -> record`` of the records under ``root`` (a result beats a failure, newer beats older)."""
+    index: dict[str, Record] = {}
+    for path in sorted(root.glob("**/summary.json")) if root.is_dir() else []:
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # a record being written, or a foreign file
+        run_id = summary.get("run_id")
+        if not run_id:
+            continue
+        new = Record(path.parent, summary)
+        old = index.get(run_id)
+        key = (_RANK.get(new.status, 0), summary.get("finished_at") or "")
+        if old is None or key > (_RANK.get(old.status, 0), old.summary.get("finished_at") or ""):
+            index[run_id] = new
+    return index
+
+
+@dataclass
+class PlannedRun:
+    """One run a table needs: the overrides it is launched with and the points (rows x seeds) it serves.
+
+    ``blocked``: why it cannot run yet (a run it starts from, e.g. a pretrained backbone, has no result).
+    """
+
+    run_id: str
+    overrides: list[str]
+    config: dict[str, Any]
+    points: list[Point] = field(default_factory=list)
+    record: Record | None = None
+    blocked: str | None = None
+
+    @property
+    def status(self) -> str:
+        if self.record:
+            return self.record.status
+        return "blocked" if self.blocked else "missing"
+
+    @property
+    def done(self) -> bool:
+        return self.status in DONE
+
+    @property
+    def dir_name(self) -> str:
+        return f"{self.config.get('name', 'run')}-{self.run_id[:8]}"
+
+
+@dataclass
+class TablePlan:
+    spec: TableSpec
+    scale: Scale
+    seeds: tuple[int, ...]
+    runs: list[PlannedRun]
+
+    @property
+    def points(self) -> list[tuple[Point, PlannedRun]]:
+        return [(p, r) for r in self.runs for p in r.points]
+
+    def to_run(self) -> list[PlannedRun]:
+        return [r for r in self.runs if not r.done and not r.blocked]
+
+    def blocked(self) -> list[PlannedRun]:
+        return [r for r in self.runs if not r.done and r.blocked]
+
+    def job_overrides(self, run: PlannedRun, root: Path | None = None) -> list[str]:
+        """The overrides of ``run``'s job: its settings, where it lives, and which table row it serves."""
+        point = run.points[0]
+        marks = [f"+table.id={self.spec.id}", f"+table.scale={self.scale.name}"]
+        marks += [f"+table.row.{k}={_override_value(v)}" for k, v in point.labels.items()]
+        where = table_dir(self.spec.id, self.scale.name, root)
+        return [*run.overrides, *marks, f"hydra.sweep.dir={where}", f"hydra.sweep.subdir={run.dir_name}"]
+
+
+def _override_value(value: Any) -> str:
+    """A label as a Hydra override value (quoted unless it is a plain word or number)."""
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    plain = text.replace("_", "").replace("-", "").replace(".", "").isalnum()
+    return text if plain else "'" + text.replace("'", "\\'") + "'"
+
+
+def resolved(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compose: ComposeFn,
+               root: Path | None = None, extra: list[str] = (), prepare: bool = True) -> TablePlan:
+    """Compose every point at paper scale (its labels) and at ``scale`` (its run), and find its record.
+
+    ``extra``: overrides added to every run (after the scale's). ``prepare``: apply the task's own config
+    preparation (a checkpoint's model for robustness, a pretrained backbone for detection) before hashing,
+    as ``normexp.run`` does before it records.
+    """
+    seeds = tuple(seeds) if seeds else scale.seeds
+    index = index_records(tables_root(root))
+    linked: dict[str, list[tuple[Point, PlannedRun]]] = {}
+    runs: dict[str, PlannedRun] = {}
+    for point in expand_blocks(spec, seeds):
+        paper_cfg = _compose(compose, point.overrides, spec.id)
+        point.task, point.backbone = paper_cfg.task.name, OmegaConf.select(paper_cfg, "backbone.name")
+        point.labels = {key: OmegaConf.select(paper_cfg, key) for key in spec.label_keys}
+        overrides = scale.apply(point.overrides, point.task) + list(extra)
+        overrides, blocked = _resolve_links(overrides, point, scale, seeds, compose, root, linked)
+        cfg = paper_cfg if overrides == point.overrides else _compose(compose, overrides, spec.id)
+        if prepare and not blocked:
+            cfg = _prepared(cfg)
+        config = resolved(cfg)
+        run_id = config_hash(config)
+        if run_id not in runs:
+            runs[run_id] = PlannedRun(run_id, overrides, config, record=index.get(run_id), blocked=blocked)
+        runs[run_id].points.append(point)
+    return TablePlan(spec, scale, seeds, list(runs.values()))
+
+
+LINK = "table:"
+MODEL_KEYS = ("backbone", "norm")  # overrides that say which model a run trains
+
+
+def _model_overrides(overrides: list[str]) -> set[str]:
+    return {o for o in overrides if o.partition("=")[0].lstrip("+").split(".")[0] in MODEL_KEYS}
+
+
+def _resolve_links(overrides: list[str], point: Point, scale: Scale, seeds: tuple[int, ...],
+                   compose: ComposeFn, root: Path | None,
+                   linked: dict[str, list[tuple[Point, PlannedRun]]]) -> tuple[list[str], str | None]:
+    """Replace ``key=table:<id>`` by the record directory of that table's run of the same model and seed.
+
+    ``task.pretrained=table:dtn_backbones`` starts a detector from the ImageNet run of ``dtn_backbones``
+    whose backbone and norm overrides are this point's. Until that run has a result, the point is blocked.
+    """
+    out, blocked = [], None
+    for override in overrides:
+        key, _, value = override.partition("=")
+        value = value.replace("\\:", ":")  # Hydra's override grammar escapes ':' in the values it prints
+        if not value.startswith(LINK):
+            out.append(override)
+            continue
+        other = value[len(LINK):]
+        if other not in linked:
+            from .spec import load_table
+
+            linked[other] = plan_table(load_table(other), scale, seeds, compose, root).points
+        mine = _model_overrides(point.overrides)
+        match = next((run for p, run in linked[other]
+                      if p.seed == point.seed and _model_overrides(p.overrides) == mine), None)
+        if match is None:
+            raise UserError(f"{key}={value}: table {other} has no run with {' '.join(sorted(mine))} "
+                            f"and seed {point.seed}")
+        if match.done and match.record is not None:
+            out.append(f"{key}={match.record.dir}")
+        else:
+            out.append(f"{key}=null")
+            blocked = f"needs table {other}'s run {match.dir_name} ({match.status}): run that table first"
+    return out, blocked
+
+
+def _compose(compose: ComposeFn, overrides: list[str], table_id: str) -> DictConfig:
+    try:
+        return compose(overrides)
+    except UserError:
+        raise
+    except Exception as e:  # Hydra's composition errors say which override or group is wrong
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"table {table_id}: overrides {' '.join(overrides)} do not compose: {first}") from e
+
+
+def _prepared(cfg: DictConfig) -> DictConfig:
+    from ..tasks import prepare_config
+
+    try:
+        return prepare_config(cfg)
+    except UserError:  # the job will fail and record this, as a failed run of the config as given
+        return cfg
+
+
+@contextmanager
+def hydra_composer() -> Iterator[ComposeFn]:
+    """A compose function for ``configs/train.yaml`` that composes as the command line would."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from .. import CONFIG_DIR
+
+    def compose_train(overrides: list[str]) -> DictConfig:
+        return compose(config_name="train", overrides=overrides)
+
+    if GlobalHydra.instance().is_initialized():
+        yield compose_train
+        return
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        yield compose_train

@@ -1,0 +1,352 @@
+"""Render an aggregated table: Markdown, CSV (tidy: one line per row x metric), LaTeX (booktabs) and plots.
+
+Every format says what produced it: the paper source, the scale and what ran at it, the seeds, the date,
+the git commit(s) and the hardware of the runs. A cell reads ``mean +- std (n)`` over the completed seeds,
+then a marker per run that is not a result (``diverged@<step>``, ``failed: ...``, ``missing``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .aggregate import DERIVED_NOTES, Cell, Row, TableResult, metric_value
+from .spec import Metric, get_path
+
+RESULTS_DIR = Path("results")  # of the checkout the tables are made in (make runs from its root)
+INDEX_BEGIN, INDEX_END = "<!-- tables:begin -->", "<!-- tables:end -->"
+
+
+# ---------------------------------------------------------------- cell text
+def fmt(value: float | None, spec: str, signed: bool = False) -> str:
+    if value is None:
+        return ""
+    text = format(value, ("+" if signed else "") + spec)
+    return "0" + text[2:] if text.startswith("+-0") else text  # no "-0.0" flicker in deltas
+
+
+def ours(cell: Cell, metric: Metric) -> str:
+    parts = []
+    if cell.values:
+        std = f" ± {fmt(cell.std, metric.fmt)}" if cell.std is not None else ""
+        parts.append(f"{fmt(cell.mean, metric.fmt)}{std} ({cell.n})")
+    shown = [m for m in cell.markers if m != "n/a"]
+    parts += shown
+    if not parts:
+        return "—"  # the metric does not apply to these runs (e.g. mask AP of RetinaNet)
+    return "; ".join(parts)
+
+
+def paper(cell: Cell, metric: Metric) -> str:
+    if cell.paper is None:
+        return "n/a"
+    return fmt(cell.paper, metric.fmt) if isinstance(cell.paper, (int, float)) else str(cell.paper)
+
+
+def delta(value: float | None, metric: Metric) -> str:
+    return fmt(value, metric.fmt, signed=True) if value is not None else "—"
+
+
+# ---------------------------------------------------------------- provenance
+def provenance(result: TableResult) -> dict[str, Any]:
+    records = [run.record for run in result.plan.runs if run.record is not None]
+    commits = sorted({(get_path(r.summary, "git.commit") or "unknown")[:10]
+                      + ("+dirty" if get_path(r.summary, "git.dirty") else "") for r in records})
+    hardware = sorted({describe_hardware(r.summary.get("hardware")) for r in records})
+    finished = sorted(r.summary.get("finished_at") or "" for r in records if r.summary.get("finished_at"))
+    return {
+        "table": result.spec.id,
+        "scale": result.plan.scale.name,
+        "seeds": list(result.plan.seeds),
+        "rendered_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "runs": {"total": len(result.plan.runs), "with_record": len(records),
+                 **{s: sum(r.status == s for r in records) for s in ("completed", "diverged", "failed")}},
+        "run_dates": [finished[0][:10], finished[-1][:10]] if finished else [],
+        "commits": commits,
+        "hardware": hardware,
+    }
+
+
+def describe_hardware(hw: dict[str, Any] | None) -> str:
+    if not hw:
+        return "unknown hardware"
+    device = hw.get("device") or "cpu"
+    if device == "cpu":
+        return f"cpu, {hw.get('cpu_count')} CPU cores"
+    return f"{device} x{hw.get('gpus', 1)}"
+
+
+def caption(result: TableResult) -> list[str]:
+    spec, scale = result.spec, result.plan.scale
+    prov = provenance(result)
+    lines = [f"**{spec.title}.** Paper: {spec.source or '— (a table neither paper has)'}."]
+    dates = "–".join(dict.fromkeys(prov["run_dates"])) or "no runs yet"
+    seeds = ", ".join(map(str, prov["seeds"]))
+    commits, hardware = ", ".join(prov["commits"]) or "—", "; ".join(prov["hardware"]) or "—"
+    lines.append(f"Ours: scale `{scale.name}` ({scale.description}); seeds {seeds}; runs {dates}; "
+                 f"commit {commits}; {hardware}.")
+    lines.append("Cells: mean ± std (n completed seeds); `diverged@<step>`: the training loss became "
+                 "non-finite at that step (a result); `failed`, `missing`: no result.")
+    if spec.paper_note:
+        lines.append(f"Paper values: {spec.paper_note}")
+    for name in result.derived_used:
+        lines.append(f"Where a run has no such value, {DERIVED_NOTES[name]}.")
+    if spec.notes:
+        lines.append(spec.notes.strip())
+    return lines
+
+
+def shows_run_as(result: TableResult) -> bool:
+    """Whether some row ran another backbone than its paper's (a scale's ``*_micro`` member)."""
+    return any(r.run_as != sorted({str(p.backbone) for p, _ in r.points}) for r in result.rows)
+
+
+# ---------------------------------------------------------------- grids (shared by Markdown and LaTeX)
+def grid(result: TableResult) -> tuple[list[str], list[list[str]]]:
+    """Header and body cells of the table as shown (long layout, or a pivot for ``columns`` tables)."""
+    spec = result.spec
+    run_as = shows_run_as(result)
+    if spec.columns:
+        return _pivot_grid(result, run_as)
+    header = [spec.header(k) for k in spec.rows] + (["run as"] if run_as else [])
+    for m in spec.metrics:
+        header += [f"{m.label}", "paper"] + ([f"Δ {m.label}", "Δ paper"] if m.delta else [])
+    body = []
+    for row in result.rows:
+        line = [spec.display(k, row.labels[k]) for k in spec.rows]
+        line += [", ".join(row.run_as)] if run_as else []
+        for m in spec.metrics:
+            cell = row.cells[m.key]
+            line += [ours(cell, m), paper(cell, m)]
+            if m.delta:
+                line += [delta(cell.delta, m), delta(cell.paper_delta, m)]
+        body.append(line)
+    return header, body
+
+
+def _pivot_grid(result: TableResult, run_as: bool) -> tuple[list[str], list[list[str]]]:
+    spec, metric = result.spec, result.spec.metrics[0]
+    col_key = spec.columns
+    columns = list(dict.fromkeys(str(r.labels[col_key]) for r in result.rows))
+    by_row: dict[tuple[str, ...], dict[str, Row]] = {}
+    for row in result.rows:
+        by_row.setdefault(tuple(str(row.labels[k]) for k in spec.rows), {})[str(row.labels[col_key])] = row
+    header = [spec.header(k) for k in spec.rows] + [""] + [spec.display(col_key, c) for c in columns]
+    body = []
+    for cells in by_row.values():
+        first = next(iter(cells.values()))
+        names = [spec.display(k, first.labels[k]) for k in spec.rows]
+        what = [("ours", lambda c: ours(c, metric)), ("paper", lambda c: paper(c, metric))]
+        if metric.delta:
+            what += [("Δ ours", lambda c: delta(c.delta, metric)),
+                     ("Δ paper", lambda c: delta(c.paper_delta, metric))]
+        if run_as:
+            what.append(("run as", None))
+        for i, (label, show) in enumerate(what):
+            shown = names if i == 0 else [""] * len(names)
+            if show is None:
+                values = [", ".join(cells[c].run_as) if c in cells else "" for c in columns]
+            else:
+                values = [show(cells[c].cells[metric.key]) if c in cells else "" for c in columns]
+            body.append(shown + [label] + values)
+    return header, body
+
+
+# ---------------------------------------------------------------- formats
+def to_markdown(result: TableResult) -> str:
+    header, body = grid(result)
+    lines = [f"# {result.spec.title}", ""] + [part for line in caption(result) for part in (line, "")]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in body]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(result: TableResult) -> str:
+    """Tidy: one line per row x metric, every number unformatted."""
+    spec = result.spec
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    keys = list(spec.label_keys)
+    writer.writerow(["table", "scale", *keys, "run_as", "metric", "mean", "std", "n", "markers", "paper",
+                     "delta", "paper_delta"])
+    for row in result.rows:
+        for m in spec.metrics:
+            cell = row.cells[m.key]
+            writer.writerow([spec.id, result.plan.scale.name, *[row.labels[k] for k in keys],
+                             " ".join(row.run_as), m.key, _raw(cell.mean), _raw(cell.std), cell.n,
+                             "; ".join(cell.markers), "" if cell.paper is None else cell.paper,
+                             _raw(cell.delta), _raw(cell.paper_delta)])
+    return out.getvalue()
+
+
+def _raw(value: float | None) -> str:
+    return "" if value is None else repr(round(value, 6))
+
+
+_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}", "±": r"$\pm$", "Δ": r"$\Delta$", "—": "---",
+        "–": "--", "→": r"$\to$", "≥": r"$\geq$", "≤": r"$\leq$"}
+
+
+def tex_escape(text: str) -> str:
+    text = re.sub(r"`([^`]*)`", r"\1", text)
+    text = re.sub(r"\*\*([^*]*)\*\*", r"\1", text)
+    return "".join(_TEX.get(ch, ch) for ch in text)
+
+
+def to_latex(result: TableResult) -> str:
+    header, body = grid(result)
+    cols = "l" * len(result.spec.rows) + ("l" if result.spec.columns else "") + \
+        "r" * (len(header) - len(result.spec.rows) - (1 if result.spec.columns else 0))
+    lines = ["% generated by normexp.tables -- needs \\usepackage{booktabs}", r"\begin{table}[t]",
+             r"\centering", r"\small", f"\\begin{{tabular}}{{{cols}}}", r"\toprule",
+             " & ".join(tex_escape(h) for h in header) + r" \\", r"\midrule"]
+    lines += [" & ".join(tex_escape(c) for c in line) + r" \\" for line in body]
+    lines += [r"\bottomrule", r"\end{tabular}",
+              f"\\caption{{{tex_escape(' '.join(caption(result)))}}}",
+              f"\\label{{tab:normexp-{result.spec.id}}}", r"\end{table}"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- plots
+def headline(result: TableResult) -> Metric:
+    return next((m for m in result.spec.metrics if m.delta), result.spec.metrics[0])
+
+
+def plot_bars(result: TableResult, path: Path) -> None:
+    """The headline metric per normalizer (bars, std as error bars), grouped by the first row key."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec, metric = result.spec, headline(result)
+    group_key = spec.rows[0]
+    groups = list(dict.fromkeys(str(r.labels[group_key]) for r in result.rows))
+    members = list(dict.fromkeys(tuple(str(r.labels[k]) for k in spec.label_keys if k != group_key)
+                                 for r in result.rows))
+    width = 0.8 / max(len(members), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(len(members), 1) * 0.6 + 2), 4.2))
+    colors = plt.get_cmap("tab10")
+    for j, member in enumerate(members):
+        for i, group in enumerate(groups):
+            row = next((r for r in result.rows if str(r.labels[group_key]) == group and
+                        tuple(str(r.labels[k]) for k in spec.label_keys if k != group_key) == member), None)
+            if row is None:
+                continue
+            cell, x = row.cells[metric.key], i - 0.4 + width * (j + 0.5)
+            label = _member_label(spec, group_key, member) if i == 0 else None
+            ax.bar(x, cell.mean or 0, width, yerr=cell.std or 0, color=colors(j % 10), capsize=3, label=label)
+            if isinstance(cell.paper, (int, float)):
+                ax.plot([x - width / 2, x + width / 2], [cell.paper] * 2, color="black", lw=2)
+            markers = [m.split(":")[0] for m in cell.markers if m != "n/a"]  # "failed: <error>" -> "failed"
+            if markers:
+                ax.text(x, 0, " " + ", ".join(markers), ha="center", va="bottom", rotation=90, fontsize=7)
+    ax.set_xticks(range(len(groups)), [spec.display(group_key, g) for g in groups])
+    ax.set_ylabel(metric.label)
+    ax.set_title(f"{spec.title} ({result.plan.scale.name}; black ticks: paper)", fontsize=9)
+    ax.legend(fontsize=8, ncol=min(4, max(len(members), 1)))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _member_label(spec: Any, group_key: str, member: tuple[str, ...]) -> str:
+    keys = [k for k in spec.label_keys if k != group_key]
+    return " / ".join(spec.display(k, v) for k, v in zip(keys, member, strict=True)) or spec.id
+
+
+def plot_curves(result: TableResult, path: Path) -> None:
+    """Training loss per step and the headline validation metric per epoch of every run of the table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..tracking.records import read_metrics
+
+    spec = result.spec
+    finals = [p for m in spec.metrics for p in m.value if p.startswith("metrics.final.")]
+    val_key = finals[0].removeprefix("metrics.final.") if finals else None
+    fig, (ax_loss, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = plt.get_cmap("tab20")
+    for i, row in enumerate(result.rows):
+        label = " / ".join(spec.display(k, v) for k, v in row.labels.items())
+        for j, (_, run) in enumerate(sorted(row.points, key=lambda pr: pr[0].seed)):
+            if run.record is None or not (run.record.dir / "metrics.jsonl").is_file():
+                continue
+            rows = read_metrics(run.record.dir)
+            steps = [(r["step"], r["train/loss"]) for r in rows  # the interval rows, not the epoch rows
+                     if isinstance(r.get("train/loss"), (int, float)) and "val/top1" not in r]
+            kw = {"color": colors(i % 20), "lw": 1, "label": label if j == 0 else None}
+            if steps:
+                ax_loss.plot(*zip(*steps, strict=True), **kw)
+            if val_key:
+                vals = [(r["epoch"], r[val_key]) for r in rows if isinstance(r.get(val_key), (int, float))]
+                if vals:
+                    ax_val.plot(*zip(*vals, strict=True), marker=".", **kw)
+            if run.status == "diverged":
+                ax_loss.axvline(get_path(run.record.summary, "diverged.step"), color=colors(i % 20), ls=":")
+    ax_loss.set(xlabel="step", ylabel="train/loss", title="training loss (dotted: divergence)")
+    ax_loss.set_yscale("log")
+    ax_val.set(xlabel="epoch", ylabel=val_key or "", title=val_key or "no per-epoch metric")
+    for ax in (ax_loss, ax_val):
+        ax.grid(alpha=0.3)
+    handles, labels = ax_loss.get_legend_handles_labels()
+    if not handles:
+        handles, labels = ax_val.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7)
+    fig.suptitle(f"{spec.title} ({result.plan.scale.name})", fontsize=9)
+    fig.tight_layout(rect=(0, 0.12 if handles else 0, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- writing
+def write_table(result: TableResult, out_dir: Path = RESULTS_DIR / "tables") -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / result.spec.id
+    paths = [stem.with_suffix(".md"), stem.with_suffix(".csv"), stem.with_suffix(".tex")]
+    for path, text in zip(paths, (to_markdown(result), to_csv(result), to_latex(result)), strict=True):
+        path.write_text(text)
+    plot_bars(result, stem.with_suffix(".png"))
+    plot_curves(result, out_dir / f"{result.spec.id}_curves.png")
+    paths += [stem.with_suffix(".png"), out_dir / f"{result.spec.id}_curves.png"]
+    update_index(result, out_dir)
+    return paths
+
+
+def update_index(result: TableResult, out_dir: Path) -> None:
+    """``index.json`` beside the tables, and the tables section of ``results/README.md`` built from it."""
+    index_path = out_dir / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else {}
+    prov = provenance(result)
+    index[result.spec.id] = {"title": result.spec.title, "source": result.spec.source, **prov}
+    index_path.write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
+    readme = out_dir.parent / "README.md"
+    lines = [INDEX_BEGIN, "| table | what | scale | runs: completed / diverged / failed of all | rendered |",
+             "|---|---|---|---|---|"]
+    for table_id, entry in sorted(index.items()):
+        runs = entry["runs"]
+        lines.append(f"| [{table_id}](tables/{table_id}.md) | {entry['title']} | {entry['scale']} | "
+                     f"{runs['completed']} / {runs['diverged']} / {runs['failed']} of {runs['total']} | "
+                     f"{entry['rendered_at'][:10]} |")
+    lines.append(INDEX_END)
+    text = readme.read_text() if readme.is_file() else "# Results\n\n## Paper tables\n\n"
+    if INDEX_BEGIN in text:
+        before, after = text[:text.index(INDEX_BEGIN)], text[text.index(INDEX_END) + len(INDEX_END):]
+        text = before + "\n".join(lines) + after
+    else:
+        text = text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"
+    readme.write_text(text)
+
+
+__all__ = ["metric_value", "to_csv", "to_latex", "to_markdown", "write_table"]

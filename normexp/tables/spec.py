@@ -1,0 +1,245 @@
+"""Table specs (``configs/table/<id>.yaml``) and scales (``configs/scale/<name>.yaml``) as plain data.
+
+A table spec says which runs make up a paper table and how to show them:
+
+- ``blocks``: Hydra sweeps (``experiment=deit_imagenet backbone=vit_small,vit_base norm=ln,dyt``), expanded
+  with Hydra's own override parser into one *point* per combination and seed;
+- ``rows`` (and, for single-metric tables, ``columns``): config paths whose values label a point
+  (``backbone.name``, ``norm.squash``), read from the config the point composes to at paper scale;
+- ``metrics``: the columns, each read from a run's ``summary.json``;
+- ``baseline``: rules naming, for each row, the row its deltas are taken against;
+- ``paper``: the published values and their ``source``; where the paper's table could not be recovered,
+  ``paper_note`` says what is known (the abstract's range) and every paper cell is "n/a".
+
+A scale maps each point onto what runs at that scale: ``replace`` swaps override values by pattern (the
+papers' ImageNet recipes for the CPU demo's, each family's size for its ``*_micro`` member), ``overrides``
+adds settings per task (shorter budgets). Neither knows anything of a particular table.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from .. import CONFIG_DIR
+from ..errors import UserError
+
+TABLE_DIR = CONFIG_DIR / "table"
+SCALE_DIR = CONFIG_DIR / "scale"
+
+
+def list_tables() -> list[str]:
+    return sorted(p.stem for p in TABLE_DIR.glob("*.yaml"))
+
+
+def list_scales() -> list[str]:
+    return sorted(p.stem for p in SCALE_DIR.glob("*.yaml"))
+
+
+def _load_yaml(path: Path, kind: str, available: list[str]) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"no {kind} '{path.stem}' ({path}); available: {', '.join(available)}")
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a mapping")
+    return data
+
+
+def _unknown_keys(data: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise UserError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def get_path(tree: Any, path: str) -> Any:
+    """``tree['a']['b/c']`` for ``path='a.b/c'`` (keys of metrics hold '/', never '.'); None if absent."""
+    for part in path.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+# ---------------------------------------------------------------- tables
+@dataclass(frozen=True)
+class Metric:
+    """One metric column: ``value`` paths into summary.json (the first present wins), scaled and formatted."""
+
+    key: str
+    label: str
+    value: tuple[str, ...]
+    fmt: str = ".2f"
+    scale: float = 1.0
+    delta: bool = False       # show our delta and the paper's delta against the baseline row
+    derive: str | None = None  # computed across runs when no value path is present (see aggregate.DERIVED)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    id: str
+    title: str
+    source: str
+    rows: tuple[str, ...]
+    metrics: tuple[Metric, ...]
+    blocks: tuple[str, ...]
+    columns: str | None = None
+    baseline: tuple[dict[str, Any], ...] = ()
+    labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+    paper: tuple[dict[str, Any], ...] = ()
+    paper_note: str = ""
+    notes: str = ""
+
+    @property
+    def label_keys(self) -> tuple[str, ...]:
+        return (*self.rows, self.columns) if self.columns else self.rows
+
+    def header(self, key: str) -> str:
+        return self.headers.get(key, key.split(".")[-1])
+
+    def display(self, key: str, value: Any) -> str:
+        shown = self.labels.get(key, {})
+        return str(shown.get(str(value), shown.get(value, value)))
+
+    def baseline_of(self, labels: dict[str, Any]) -> dict[str, Any] | None:
+        """The labels of the row ``labels`` is compared with (the first rule whose ``when`` matches)."""
+        for rule in self.baseline:
+            when = rule.get("when", {})
+            if all(fnmatch.fnmatchcase(str(labels.get(k)), str(v)) for k, v in when.items()):
+                return {**labels, **rule["set"]}
+        return None
+
+    def paper_value(self, labels: dict[str, Any], metric: str) -> Any:
+        for entry in self.paper:
+            if all(str(entry.get(k)) == str(labels[k]) for k in self.label_keys) and metric in entry:
+                return entry[metric]
+        return None
+
+
+TABLE_KEYS = {"title", "source", "rows", "columns", "metrics", "blocks", "baseline", "labels", "headers",
+              "paper", "paper_note", "notes"}
+METRIC_KEYS = {"key", "label", "value", "fmt", "scale", "delta", "derive"}
+
+
+def _spec_path(name: str, directory: Path) -> Path:
+    """``configs/<kind>/<name>.yaml``, or ``name`` itself when it is a path to a yaml file."""
+    return Path(name) if name.endswith((".yaml", ".yml")) else directory / f"{name}.yaml"
+
+
+def load_table(name: str) -> TableSpec:
+    """The table ``configs/table/<name>.yaml`` (or the spec file ``name``); its id is the file's stem."""
+    path = _spec_path(name, TABLE_DIR)
+    table_id = path.stem
+    data = _load_yaml(path, "table", list_tables())
+    _unknown_keys(data, TABLE_KEYS, str(path))
+    metrics = []
+    for m in data.get("metrics", []):
+        _unknown_keys(m, METRIC_KEYS, f"{path} metric {m.get('key')}")
+        value = m.get("value") or ()
+        metrics.append(Metric(
+            key=m["key"], label=m.get("label", m["key"]),
+            value=(value,) if isinstance(value, str) else tuple(value), fmt=m.get("fmt", ".2f"),
+            scale=float(m.get("scale", 1.0)), delta=bool(m.get("delta", False)), derive=m.get("derive")))
+    if not metrics or not data.get("blocks") or not data.get("rows"):
+        raise UserError(f"{path}: a table needs 'rows', 'metrics' and 'blocks'")
+    if data.get("columns") and len(metrics) != 1:
+        raise UserError(f"{path}: a table with 'columns' (a pivot) shows exactly one metric")
+    for rule in data.get("baseline", []):
+        if "set" not in rule:
+            raise UserError(f"{path}: every baseline rule needs 'set' (and optionally 'when')")
+    return TableSpec(
+        id=table_id, title=data.get("title", table_id), source=data.get("source", ""),
+        rows=tuple(data["rows"]), columns=data.get("columns"), metrics=tuple(metrics),
+        blocks=tuple(data["blocks"]), baseline=tuple(data.get("baseline", [])),
+        labels=data.get("labels", {}), headers=data.get("headers", {}), paper=tuple(data.get("paper", [])),
+        paper_note=data.get("paper_note", ""), notes=data.get("notes", ""))
+
+
+# ---------------------------------------------------------------- scales
+@dataclass(frozen=True)
+class Scale:
+    name: str
+    description: str
+    seeds: tuple[int, ...]
+    replace: dict[str, dict[str, list[str]]]
+    overrides: dict[str, list[str]]
+
+    def apply(self, overrides: list[str], task: str) -> list[str]:
+        """The overrides of a point at this scale: replaced by the first matching pattern, then the task's."""
+        out: list[str] = []
+        for override in overrides:
+            key, _, value = override.partition("=")
+            patterns = self.replace.get(key.lstrip("+~"), {})
+            match = next((p for p in patterns if fnmatch.fnmatchcase(value, p)), None)
+            out += [override] if match is None else list(patterns[match] or [])
+        return out + list(self.overrides.get(task, []))
+
+
+SCALE_KEYS = {"description", "seeds", "replace", "overrides"}
+
+
+def load_scale(name: str) -> Scale:
+    """The scale ``configs/scale/<name>.yaml`` (or the file ``name``)."""
+    path = _spec_path(name, SCALE_DIR)
+    name = path.stem
+    data = _load_yaml(path, "scale", list_scales())
+    _unknown_keys(data, SCALE_KEYS, str(path))
+    seeds = data.get("seeds") or [0]
+    return Scale(name=name, description=str(data.get("description", "")).strip(),
+                 seeds=tuple(int(s) for s in seeds), replace=data.get("replace") or {},
+                 overrides=data.get("overrides") or {})
+
+
+# ---------------------------------------------------------------- points
+@dataclass
+class Point:
+    """One grid point of a table: its paper-scale overrides (seed included) and, once composed, labels."""
+
+    overrides: list[str]
+    seed: int
+    labels: dict[str, Any] = field(default_factory=dict)
+    task: str | None = None
+    backbone: str | None = None  # at paper scale (a scale may run another member)
+
+    @property
+    def row_key(self) -> tuple[str, ...]:
+        """Identity of the point's row (its labels, seed excluded), as strings."""
+        return tuple(str(v) for v in self.labels.values())
+
+
+def expand_sweep(args: list[str]) -> list[list[str]]:
+    """The jobs of a Hydra sweep (``a=1,2 b=x``), in Hydra's order, parsed by Hydra's override grammar."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    choices = []
+    for override in OverridesParser.create().parse_overrides(args):
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            if not override.is_discrete_sweep():
+                raise ValueError(f"'{override.input_line}': only discrete sweeps (a,b,c or range) work")
+            choices.append([f"{key}={v}" for v in override.sweep_string_iterator()])
+        else:
+            choices.append([f"{key}={override.get_value_element_as_str()}"])
+    return [list(job) for job in itertools.product(*choices)]
+
+
+def expand_blocks(spec: TableSpec, seeds: tuple[int, ...]) -> list[Point]:
+    """Every combination of every block, once per seed (a block that sets ``seed`` itself keeps it)."""
+    points = []
+    for block in spec.blocks:
+        args = block.split()
+        if not any(a.split("=")[0] == "seed" for a in args):
+            args.append("seed=" + ",".join(str(s) for s in seeds))
+        try:
+            jobs = expand_sweep(args)
+        except Exception as e:  # Hydra's grammar errors name the bad override
+            raise UserError(f"table {spec.id}: cannot parse block '{block}': {e}") from e
+        for overrides in jobs:
+            seed = int(next(o for o in overrides if o.startswith("seed=")).partition("=")[2])
+            points.append(Point(overrides=overrides, seed=seed))
+    return points

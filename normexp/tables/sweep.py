@@ -1,0 +1,106 @@
+"""What the table sweeper does (``hydra/sweeper=table``): plan, skip what is done, launch the rest, report."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from omegaconf import read_write
+
+from ..errors import UserError
+from .plan import PlannedRun, TablePlan, plan_table, table_dir
+from .spec import get_path, load_scale, load_table
+
+
+def key_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings that tell two recipes apart, as a dry run prints them."""
+    t, d = config.get("trainer", {}), config.get("data", {})
+    lr = t.get("lr")
+    if t.get("lr_base_size"):
+        lr = f"{lr} x batch/{t['lr_base_size']}"
+    settings = {
+        "task": get_path(config, "task.name"),
+        "backbone": get_path(config, "backbone.name"),
+        "norm": get_path(config, "norm.name"),
+        "data": d.get("name"),
+        "root": d.get("root"),
+        "img": d.get("img_size"),
+        "batch": d.get("batch_size"),
+        "global_batch": t.get("global_batch"),
+        "epochs": t.get("epochs"),
+        "opt": t.get("opt"),
+        "lr": lr,
+        "wd": t.get("weight_decay"),
+        "warmup": t.get("warmup_iters") and f"{t['warmup_iters']} it" or t.get("warmup_epochs"),
+        "sched": t.get("sched"),
+        "drop_path": get_path(config, "backbone.drop_path_rate"),
+        "mixup/cutmix": f"{get_path(t, 'mixup.mixup_alpha')}/{get_path(t, 'mixup.cutmix_alpha')}",
+        "smoothing": t.get("smoothing"),
+        "ema": get_path(t, "ema.decay") if get_path(t, "ema.enabled") else False,
+        "clip": t.get("clip_grad"),
+        "amp": t.get("amp"),
+    }
+    if settings["task"] == "detection":
+        settings["detector"] = get_path(config, "task.detector")
+        settings["pretrained"] = get_path(config, "task.pretrained")
+    if get_path(config, "task.robustness.enabled"):
+        settings["robustness"] = d.get("imagenet_c_root") or "on the fly"
+    return {k: v for k, v in settings.items() if v is not None}
+
+
+def describe(plan: TablePlan, run: PlannedRun) -> str:
+    rows = sorted({" / ".join(plan.spec.display(k, v) for k, v in p.labels.items()) for p in run.points})
+    seeds = sorted({p.seed for p in run.points})
+    return f"{'; '.join(rows)} (seed {', '.join(map(str, seeds))})"
+
+
+def print_plan(plan: TablePlan, dry_run: bool) -> None:
+    spec, scale = plan.spec, plan.scale
+    done = [r for r in plan.runs if r.done]
+    todo, blocked = plan.to_run(), plan.blocked()
+    print(f"table {spec.id} at scale {scale.name}: {len(plan.points)} points, {len(plan.runs)} distinct "
+          f"runs; {len(done)} done (skipped), {len(todo)} to run, {len(blocked)} blocked", flush=True)
+    for run in done:
+        print(f"  skip  {describe(plan, run)}: {run.status} at {run.record.dir}")  # type: ignore[union-attr]
+    for run in blocked:
+        print(f"  wait  {describe(plan, run)}: {run.blocked}")
+    for run in todo:
+        why = "" if run.status == "missing" else f" (was {run.status}: re-run)"
+        print(f"  run   {describe(plan, run)}{why}")
+        if dry_run:
+            print("        " + " ".join(run.overrides))
+            print("        " + "  ".join(f"{k}={v}" for k, v in key_settings(run.config).items()))
+    print(flush=True)
+
+
+def run_table_sweep(sweeper: Any, arguments: list[str]) -> list[Any]:
+    """Plan the table, launch the runs it still needs through the configured launcher, report each.
+
+    The runs go to ``<output root>/tables/<scale>/<table>/<run>`` whatever ``hydra.sweep.dir`` says (each
+    job's overrides set it), because that is where the next planning looks for them. Command-line overrides
+    apply to every run (and so are part of each run's identity); sweeps there are refused: the table spec
+    defines the grid.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(arguments)):
+        raise UserError("a table sweep takes no sweeps on the command line (the table spec defines the "
+                        f"grid): {' '.join(arguments)}")
+    spec, scale = load_table(sweeper.table), load_scale(sweeper.scale)
+    plan = plan_table(spec, scale, sweeper.seeds, sweeper.compose, extra=arguments)
+    print_plan(plan, sweeper.dry_run)
+    todo = plan.to_run()
+    if sweeper.dry_run or not todo:
+        return []
+    out_dir = table_dir(spec.id, scale.name)
+    with read_write(sweeper.config):  # the launcher creates (and submitit writes its logs under) this one
+        sweeper.config.hydra.sweep.dir = str(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    returns = sweeper.launcher.launch([plan.job_overrides(run) for run in todo], initial_job_idx=0)
+    print(f"table {spec.id} at scale {scale.name}: launched {len(todo)} run(s)")
+    for run in todo:
+        summary = out_dir / run.dir_name / "summary.json"
+        status = json.loads(summary.read_text())["status"] if summary.is_file() else "no record"
+        print(f"  {status:9s} {describe(plan, run)}: {out_dir / run.dir_name}")
+    print(flush=True)
+    return [returns]

@@ -1,0 +1,143 @@
+"""A table rendered from fabricated run records: every cell -- means, stds, n, deltas, paper, markers."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from normexp.tables.aggregate import aggregate
+from normexp.tables.plan import PlannedRun, Record, TablePlan
+from normexp.tables.render import to_csv, to_latex, to_markdown, write_table
+from normexp.tables.spec import Point, Scale, load_table
+
+SPEC = """
+title: A fabricated table
+source: Somebody et al., Table 9
+rows: [backbone.name, norm.name]
+metrics:
+  - {key: params, label: Params (M), value: params, scale: 1.0e-6, fmt: .1f}
+  - {key: top1, label: Top-1, value: [metrics.final.ema/val/top1, metrics.final.val/top1], fmt: .2f,
+     delta: true}
+baseline:
+  - set: {norm.name: ln}
+blocks: ["backbone=vit_a,vit_b norm=ln,dyt"]
+headers: {backbone.name: Model, norm.name: Norm}
+labels:
+  backbone.name: {vit_a: ViT-A, vit_b: ViT-B}
+  norm.name: {ln: LN, dyt: DyT}
+paper:
+  - {backbone.name: vit_a, norm.name: ln, top1: 80.0}
+  - {backbone.name: vit_a, norm.name: dyt, top1: 81.0}
+  - {backbone.name: vit_b, norm.name: ln, top1: 70.0}
+  - {backbone.name: vit_b, norm.name: dyt, top1: "61.0 → failed"}
+"""
+
+# (backbone, norm, seed) -> summary (None: no record)
+RUNS = {
+    ("vit_a", "ln", 0): {"status": "completed", "metrics": {"final": {"val/top1": 80.0}}},
+    ("vit_a", "ln", 1): {"status": "completed", "metrics": {"final": {"val/top1": 81.0}}},
+    ("vit_a", "ln", 2): {"status": "completed", "metrics": {"final": {"val/top1": 82.0}}},
+    # the EMA's top-1 is preferred where the run has one
+    ("vit_a", "dyt", 0): {"status": "completed",
+                          "metrics": {"final": {"val/top1": 1.0, "ema/val/top1": 83.0}}},
+    ("vit_a", "dyt", 1): {"status": "completed", "metrics": {"final": {"val/top1": 85.0}}},
+    ("vit_a", "dyt", 2): {"status": "diverged", "diverged": {"step": 123, "epoch": 2},
+                          "metrics": {"final": {"val/top1": 40.0}}},
+    ("vit_b", "ln", 0): {"status": "completed", "metrics": {"final": {"val/top1": 70.5}}},
+    ("vit_b", "ln", 1): {"status": "failed", "error": "RuntimeError: boom", "metrics": {}},
+    ("vit_b", "ln", 2): None,
+    ("vit_b", "dyt", 0): {"status": "diverged", "diverged": {"step": 5}, "metrics": {}},
+    ("vit_b", "dyt", 1): {"status": "diverged", "diverged": {"step": 7}, "metrics": {}},
+    ("vit_b", "dyt", 2): {"status": "diverged", "diverged": {"step": 9}, "metrics": {}},
+}
+PARAMS = {"vit_a": 5_712_345, "vit_b": 22_050_000}
+
+
+def fabricated_plan(tmp_path: Path, spec_text: str = SPEC) -> TablePlan:
+    spec_file = tmp_path / "fab.yaml"
+    spec_file.write_text(spec_text)
+    spec = load_table(str(spec_file))
+    runs = []
+    for i, ((backbone, norm, seed), summary) in enumerate(RUNS.items()):
+        record = None
+        if summary is not None:
+            run_dir = tmp_path / "runs" / f"r{i}"
+            run_dir.mkdir(parents=True)
+            summary = {**summary, "params": PARAMS[backbone], "run_id": f"id{i}",
+                       "git": {"commit": "abc123def456", "dirty": False},
+                       "hardware": {"device": "cpu", "cpu_count": 2}, "finished_at": "2026-11-30T12:00:00"}
+            (run_dir / "summary.json").write_text(json.dumps(summary))
+            (run_dir / "metrics.jsonl").write_text(
+                json.dumps({"step": 10, "epoch": 1, "train/loss": 2.0}) + "\n"
+                + json.dumps({"step": 20, "epoch": 1, "train/loss": 1.5, "val/top1": 50.0}) + "\n")
+            record = Record(run_dir, summary)
+        point = Point(overrides=[], seed=seed, labels={"backbone.name": backbone, "norm.name": norm},
+                      task="classification", backbone=backbone)
+        runs.append(PlannedRun(f"id{i}", [], {"backbone": {"name": f"{backbone}_micro"}}, [point], record))
+    scale = Scale("smoke", "a test scale", (0, 1, 2), {}, {})
+    return TablePlan(spec, scale, (0, 1, 2), runs)
+
+
+def md_rows(text: str) -> dict[str, list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    return {" ".join(cells[:2]): cells for cells in
+            ([c.strip() for c in line.strip("|").split(" | ")] for line in lines[1:])}
+
+
+def test_every_cell_of_the_long_table(tmp_path):
+    md = to_markdown(aggregate(fabricated_plan(tmp_path)))
+    header_line = next(line for line in md.splitlines() if line.startswith("| Model"))
+    header = [c.strip() for c in header_line.strip("|").split(" | ")]
+    assert header == ["Model", "Norm", "run as", "Params (M)", "paper", "Top-1", "paper", "Δ Top-1",
+                      "Δ paper"]
+    rows = md_rows(md)
+    assert rows["ViT-A LN"][2:] == ["vit_a_micro", "5.7 ± 0.0 (3)", "n/a", "81.00 ± 1.00 (3)", "80.00", "—",
+                                    "—"]
+    assert rows["ViT-A DyT"][2:] == ["vit_a_micro", "5.7 ± 0.0 (2); diverged@123", "n/a",
+                                     "84.00 ± 1.41 (2); diverged@123", "81.00", "+3.00", "+1.00"]
+    assert rows["ViT-B LN"][2:] == ["vit_b_micro", "22.1 (1); failed: RuntimeError: boom; missing", "n/a",
+                                    "70.50 (1); failed: RuntimeError: boom; missing", "70.00", "—", "—"]
+    assert rows["ViT-B DyT"][5:] == ["diverged@5; diverged@7; diverged@9", "61.0 → failed", "—", "—"]
+    assert "Somebody et al., Table 9" in md and "scale `smoke`" in md and "abc123def4" in md
+    assert "cpu, 2 CPU cores" in md
+
+
+def test_csv_holds_the_unformatted_numbers(tmp_path):
+    rows = list(csv.DictReader(io.StringIO(to_csv(aggregate(fabricated_plan(tmp_path))))))
+    by = {(r["backbone.name"], r["norm.name"], r["metric"]): r for r in rows}
+    a_dyt = by["vit_a", "dyt", "top1"]
+    assert float(a_dyt["mean"]) == 84.0 and float(a_dyt["std"]) == pytest.approx(2 ** 0.5, abs=1e-6)
+    assert a_dyt["n"] == "2" and a_dyt["markers"] == "diverged@123"
+    assert float(a_dyt["delta"]) == 3.0 and float(a_dyt["paper_delta"]) == 1.0 and a_dyt["paper"] == "81.0"
+    assert by["vit_b", "dyt", "top1"]["mean"] == "" and by["vit_b", "dyt", "top1"]["n"] == "0"
+    assert float(by["vit_a", "ln", "params"]["mean"]) == pytest.approx(5.712345)
+
+
+def test_pivot_layout_and_latex(tmp_path):
+    spec = SPEC.replace("rows: [backbone.name, norm.name]", "rows: [backbone.name]\ncolumns: norm.name")
+    spec = spec.replace("  - {key: params, label: Params (M), value: params, scale: 1.0e-6, fmt: .1f}\n", "")
+    result = aggregate(fabricated_plan(tmp_path, spec))
+    lines = [line for line in to_markdown(result).splitlines() if line.startswith("| ")]
+    assert lines[0].split(" | ")[2:] == ["LN", "DyT |"]
+    body = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[1:]]
+    assert body[0] == ["ViT-A", "ours", "81.00 ± 1.00 (3)", "84.00 ± 1.41 (2); diverged@123"]
+    assert body[1] == ["", "paper", "80.00", "81.00"]
+    assert body[2] == ["", "Δ ours", "—", "+3.00"] and body[3] == ["", "Δ paper", "—", "+1.00"]
+    assert body[4] == ["", "run as", "vit_a_micro", "vit_a_micro"]
+    assert body[5][:3] == ["ViT-B", "ours", "70.50 (1); failed: RuntimeError: boom; missing"]
+    tex = to_latex(result)
+    assert "\\toprule" in tex and "\\bottomrule" in tex and "84.00 $\\pm$ 1.41 (2); diverged@123" in tex
+    assert "Δ" not in tex and "$\\Delta$ ours" in tex
+
+
+def test_written_files_and_results_index(tmp_path):
+    out = tmp_path / "results" / "tables"
+    paths = write_table(aggregate(fabricated_plan(tmp_path)), out)
+    assert sorted(p.name for p in paths) == ["fab.csv", "fab.md", "fab.png", "fab.tex", "fab_curves.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    index = (tmp_path / "results" / "README.md").read_text()
+    assert "[fab](tables/fab.md)" in index and "| smoke |" in index and "6 / 4 / 1 of 12" in index

@@ -1,0 +1,119 @@
+"""Every table spec composes at every scale without data present, and its full-scale runs are the papers'
+recipes (values from the official code: facebookresearch/deit main.py, microsoft/Swin-Transformer config.py
+and configs/swin/*, whai362/PVT classification/, facebookresearch/LeViT main.py and levit.py,
+yitu-opensource/T2T-ViT README and main.py, wqshao126/DTN train.py and configs/ViT/vit.yaml,
+jiachenzhu/DyT README and main.py (the ConvNeXt recipe), whai362/PVT detection/configs + mmdet 2.13 1x)."""
+
+from __future__ import annotations
+
+import fnmatch
+
+import pytest
+
+from normexp.tables.plan import hydra_composer, plan_table
+from normexp.tables.spec import get_path, list_scales, list_tables, load_scale, load_table
+
+# experiment -> {config path: value} every full-scale run of that recipe must have
+RECIPES = {
+    "deit_imagenet": {"trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.lr_base_size": 512,
+                      "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 5, "trainer.warmup_lr": 1e-6,
+                      "trainer.min_lr": 1e-5, "trainer.smoothing": 0.1, "trainer.mixup.mixup_alpha": 0.8,
+                      "trainer.mixup.cutmix_alpha": 1.0, "data.auto_augment": "rand-m9-mstd0.5-inc1",
+                      "data.reprob": 0.25, "data.color_jitter": 0.3, "trainer.ema.decay": 0.99996},
+    "dtn_imagenet": {"trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.lr_base_size": 512,
+                     "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 5, "trainer.warmup_lr": 1e-6,
+                     "trainer.min_lr": 1e-5, "trainer.smoothing": 0.1, "trainer.mixup.mixup_alpha": 0.0,
+                     "trainer.mixup.cutmix_alpha": 0.0, "data.reprob": 0.0, "data.color_jitter": 0.4,
+                     "trainer.ema.enabled": True, "trainer.ema.decay": 0.99996,
+                     "backbone.drop_path_rate": 0.1},
+    "swin_imagenet": {"trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.lr_base_size": 512,
+                      "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 20, "trainer.warmup_lr": 5e-7,
+                      "trainer.min_lr": 5e-6, "trainer.clip_grad": 5.0, "trainer.mixup.mixup_alpha": 0.8,
+                      "trainer.mixup.cutmix_alpha": 1.0, "data.reprob": 0.25, "data.color_jitter": 0.4,
+                      "trainer.ema.enabled": False},
+    "pvt_imagenet": {"trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.lr_base_size": 512,
+                     "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 5,
+                     "trainer.mixup.mixup_alpha": 0.8, "trainer.mixup.cutmix_alpha": 1.0,
+                     "data.reprob": 0.25, "data.color_jitter": 0.4,
+                     "trainer.ema.enabled": False},
+    "levit_imagenet": {"trainer.epochs": 1000, "trainer.lr": 5e-4, "trainer.lr_base_size": 512,
+                       "trainer.weight_decay": 0.025, "trainer.clip_grad": 0.01, "trainer.clip_mode": "agc",
+                       "trainer.warmup_epochs": 5, "trainer.ema.decay": 0.99996,
+                       "trainer.mixup.mixup_alpha": 0.8},
+    "t2t_imagenet": {"trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.lr_base_size": None,
+                     "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 10, "trainer.ema.enabled": True,
+                     "trainer.mixup.mixup_alpha": 0.8},
+    "dyt_imagenet": {"trainer.epochs": 300, "trainer.lr": 4e-3, "trainer.lr_base_size": 4096,
+                     "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 20, "trainer.min_lr": 1e-6,
+                     "trainer.ema.decay": 0.9999, "trainer.mixup.mixup_alpha": 0.8,
+                     "trainer.mixup.cutmix_alpha": 1.0,
+                     "trainer.smoothing": 0.1, "data.reprob": 0.25, "trainer.amp": None},
+    "retinanet_pvt_1x": {"task.detector": "retinanet", "trainer.epochs": 12, "trainer.lr": 1e-4,
+                         "trainer.weight_decay": 1e-4, "trainer.decay_milestones": [8, 11],
+                         "trainer.warmup_iters": 500, "data.name": "coco"},
+    "mask_rcnn_pvt_1x": {"task.detector": "mask_rcnn", "trainer.epochs": 12, "trainer.lr": 2e-4,
+                         "trainer.weight_decay": 1e-4, "trainer.decay_milestones": [8, 11],
+                         "trainer.warmup_iters": 500, "data.name": "coco"},
+}
+# per backbone (fnmatch), within a recipe: stochastic depth of the official configs
+DROP_PATH = {
+    "deit_imagenet": {"vit_*": 0.1}, "swin_imagenet": {"swin_tiny": 0.2}, "pvt_imagenet": {"pvt_tiny": 0.1},
+    "levit_imagenet": {"levit_128s": 0.0}, "t2t_imagenet": {"t2t_vit_14": 0.1},
+    "dyt_imagenet": {"vit_small": 0.1, "vit_base": 0.1, "vit_large": 0.4, "convnext_*": 0.5},
+}
+
+
+@pytest.fixture(scope="module")
+def plans():
+    with hydra_composer() as compose:
+        return {(t, s): plan_table(load_table(t), load_scale(s), None, compose)
+                for t in list_tables() for s in ("smoke", "full")}
+
+
+def experiment_of(overrides: list[str]) -> str:
+    return next(o.partition("=")[2] for o in overrides if o.startswith("experiment="))
+
+
+@pytest.mark.parametrize("table", list_tables())
+def test_full_scale_runs_are_the_papers_recipes(plans, table):
+    plan = plans[table, "full"]
+    assert plan.runs
+    for run in plan.runs:
+        experiment = experiment_of(run.points[0].overrides)
+        assert experiment in RECIPES, f"{table}: no recipe expectations for {experiment}"
+        for path, value in RECIPES[experiment].items():
+            assert get_path(run.config, path) == pytest.approx(value) if isinstance(value, float) else \
+                get_path(run.config, path) == value, f"{table} {experiment}: {path}"
+        backbone = get_path(run.config, "backbone.name")
+        for pattern, rate in DROP_PATH.get(experiment, {}).items():
+            if fnmatch.fnmatchcase(backbone, pattern):
+                assert get_path(run.config, "backbone.drop_path_rate") == rate, f"{table}: {backbone}"
+        assert get_path(run.config, "data.name") in ("imagenet", "coco")
+
+
+@pytest.mark.parametrize("table", list_tables())
+def test_smoke_scale_runs_on_a_laptop(plans, table):
+    for run in plans[table, "smoke"].runs:
+        assert get_path(run.config, "backbone.name").endswith(("_micro", "_micro_star")), run.overrides
+        assert get_path(run.config, "data.name") in ("digits", "coco_digits")
+        assert get_path(run.config, "trainer.epochs") <= 8
+
+
+@pytest.mark.parametrize("table", list_tables())
+def test_paper_entries_and_baselines_name_existing_rows(plans, table):
+    plan = plans[table, "full"]
+    spec = plan.spec
+    rows = {tuple(str(p.labels[k]) for k in spec.label_keys) for p, _ in plan.points}
+    for entry in spec.paper:
+        assert tuple(str(entry[k]) for k in spec.label_keys) in rows, f"{table}: paper entry {entry}"
+        assert set(entry) - set(spec.label_keys) <= {m.key for m in spec.metrics}, entry
+    for point, _ in plan.points:
+        base = spec.baseline_of(point.labels)
+        assert base is not None and tuple(str(base[k]) for k in spec.label_keys) in rows, point.labels
+    assert spec.paper or spec.paper_note or not spec.source, f"{table}: give paper values or say why none"
+
+
+def test_every_scale_loads():
+    assert {"smoke", "full"} <= set(list_scales())
+    for scale in list_scales():
+        assert load_scale(scale).seeds

@@ -1,0 +1,94 @@
+"""A table end to end on the embedded digits: one Hydra multirun through the table sweeper, a diverging run
+recorded as a result, a failing run that does not stop the others, re-runs that skip what is done, and
+``normexp compare`` agreeing with the rendered table."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+SPEC = """
+title: A tiny table
+source: none
+rows: [norm.name, norm.squash]
+metrics:
+  - {key: top1, label: Top-1, value: metrics.final.val/top1, fmt: .2f, delta: true}
+baseline:
+  - set: {norm.name: dyt, norm.squash: tanh}
+blocks:
+  - norm=dyt norm.squash=identity trainer.lr=0.05   # diverges within a few steps
+  - norm=dyt norm.squash=tanh
+  - norm=ln data.batch_size=5000                    # fails: the training set is smaller than one batch
+"""
+SCALE = """
+description: one epoch of the digits demo
+seeds: [0]
+overrides:
+  classification: [trainer.epochs=1, trainer.warmup_epochs=0, trainer.progress=false, logger=none]
+"""
+
+
+def table(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NORMEXP_OUTPUT_DIR": str(tmp_path / "out"), "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, "-m", "normexp", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def md_cells(path: Path) -> dict[str, list[str]]:
+    lines = [line for line in path.read_text().splitlines() if line.startswith("| ")][1:]
+    return {" ".join(c[:2]): c for c in ([x.strip() for x in line.strip("|").split(" | ")] for line in lines)}
+
+
+def test_table_runs_skips_and_recomputes(tmp_path):
+    spec, scale, out = tmp_path / "tiny.yaml", tmp_path / "cpu1.yaml", tmp_path / "results"
+    spec.write_text(SPEC)
+    scale.write_text(SCALE)
+    args = ("table", "run", str(spec), "--scale", str(scale), "--out", str(out))
+
+    first = table(tmp_path, *args)
+    assert first.returncode == 1, first.stderr[-2000:]  # a run failed: the table is written all the same
+    assert "hydra/sweeper=table" in first.stdout and "Launching 3 jobs" in first.stdout + first.stderr
+    cells = md_cells(out / "tiny.md")
+    assert cells["dyt identity"][2].startswith("diverged@")
+    assert int(cells["dyt identity"][2].removeprefix("diverged@")) <= 10
+    top1 = cells["dyt tanh"][2]
+    assert top1.endswith(" (1)") and 0 < float(top1.split()[0]) <= 100
+    assert cells["ln None"][2].startswith("failed: UserError: the training set is smaller than one batch")
+    for suffix in (".md", ".csv", ".tex", ".png", "_curves.png"):
+        assert (out / f"tiny{suffix}").stat().st_size > 0
+
+    # without the failing block every run is done: nothing is launched
+    spec.write_text(SPEC.replace("  - norm=ln data.batch_size=5000", "  # removed"))
+    again = table(tmp_path, *args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "2 done (skipped), 0 to run" in again.stdout and "hydra/sweeper=table" not in again.stdout
+
+    # a deleted record is recomputed, and only that one
+    runs = tmp_path / "out" / "tables" / "cpu1" / "tiny"
+    (tanh,) = [d for d in runs.iterdir() if (d / "config.yaml").is_file() and "squash: tanh" in
+               (d / "config.yaml").read_text()]
+    (identity,) = [d for d in runs.iterdir() if d.is_dir() and d != tanh and (d / "summary.json").is_file()
+                   and "squash: identity" in (d / "config.yaml").read_text()]
+    before = (identity / "summary.json").stat().st_mtime_ns
+    shutil.rmtree(tanh)
+    third = table(tmp_path, *args)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert "1 done (skipped), 1 to run" in third.stdout and "Launching 1 jobs" in third.stdout + third.stderr
+    assert (tanh / "summary.json").is_file() and (identity / "summary.json").stat().st_mtime_ns == before
+    assert md_cells(out / "tiny.md")["dyt tanh"][2] == top1  # same seed, same numbers
+
+    compared = table(tmp_path, "compare", "--table", str(spec), "--scale", str(scale))
+    assert compared.returncode == 0, compared.stderr
+    rows = md_cells_text(compared.stdout)
+    assert rows["dyt tanh"][3] == top1 and rows["dyt identity"][3] == "—"
+    assert rows["dyt identity"][4] == "1 diverged"
+
+
+def md_cells_text(text: str) -> dict[str, list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ")][1:]
+    return {" ".join(c[:2]): c for c in ([x.strip() for x in line.strip("|").split(" | ")] for line in lines)}

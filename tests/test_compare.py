@@ -1,0 +1,57 @@
+"""``normexp compare`` over fabricated run records: filters, tags, grouping, mean +- std (n), formats."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+import yaml
+
+from normexp.compare import main
+
+RUNS = [  # (backbone, norm, seed, status, top1)
+    ("vit_small", "ln", 0, "completed", 80.0), ("vit_small", "ln", 1, "completed", 82.0),
+    ("vit_small", "dyt", 0, "completed", 81.0), ("vit_small", "dyt", 1, "diverged", None),
+    ("swin_tiny", "dyt", 0, "completed", 83.0), ("swin_tiny", "ln", 0, "failed", None),
+]
+
+
+@pytest.fixture
+def root(tmp_path):
+    for i, (backbone, norm, seed, status, top1) in enumerate(RUNS):
+        run_dir = tmp_path / "classification" / f"run{i}"
+        run_dir.mkdir(parents=True)
+        config = {"backbone": {"name": backbone}, "norm": {"name": norm}, "task": {"name": "classification"},
+                  "data": {"name": "digits"}, "seed": seed, "tags": ["paper"] if norm == "dyt" else []}
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+        final = {"val/top1": top1} if top1 is not None else {}
+        (run_dir / "summary.json").write_text(json.dumps(
+            {"run_id": f"r{i}", "status": status, "params": 1000 + i, "metrics": {"final": final}}))
+    return tmp_path
+
+
+def test_groups_filters_and_counts(root, capsys):
+    main(["--root", str(root), "backbone.name=vit_*"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert lines[0] == "| backbone.name | norm.name | runs | val/top1 | val/top5 | not completed |"
+    assert lines[1] == "| vit_small | ln | 2 | 81 ± 1.414 (2) | — |  |"
+    assert lines[2] == "| vit_small | dyt | 2 | 81 (1) | — | 1 diverged |"
+    assert len(lines) == 3  # swin filtered out
+
+
+def test_tags_metrics_and_csv(root, capsys):
+    main(["--root", str(root), "--tag", "paper", "--group-by", "norm.name", "--metrics", "val/top1,params",
+          "--format", "csv"])
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [r["norm.name"] for r in rows] == ["dyt"]
+    assert float(rows[0]["val/top1_mean"]) == 82.0 and rows[0]["val/top1_n"] == "2"
+    assert rows[0]["not completed"] == "1 diverged"
+
+
+def test_no_match_is_one_line(root, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--root", str(root), "norm.name=power"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("error: no run records match")
