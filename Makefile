@@ -20,7 +20,7 @@ help:
 	@echo "make test-fast  run the tests not marked slow"
 	@echo "make lint       ruff check"
 	@echo "make table-<id> run what a paper table needs, then render it [SCALE=smoke|full] [SEEDS=0,1,2]"
-	@echo "                [LAUNCHER=submitit_slurm]; tables: $(TABLES)"
+	@echo "                [LAUNCHER=slurm]; tables: $(TABLES)"
 	@echo "make tables     every table (one after another; the others go on when one has a failed run)"
 
 install: $(STAMP)

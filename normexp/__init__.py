@@ -3,4 +3,13 @@
 from pathlib import Path
 
 __version__ = "0.1.0"
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # the Hydra config tree
+
+
+def _config_dir() -> Path:
+    """The Hydra config tree: shipped inside the package by a (non-editable) install, else the checkout's."""
+    package = Path(__file__).resolve().parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+CONFIG_DIR = _config_dir()

@@ -7,7 +7,9 @@ records); ``normexp <command> --help`` says more.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from datetime import datetime
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -15,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from . import CONFIG_DIR
-from .errors import UserError
+from .errors import UserError, one_line
 
 log = logging.getLogger("normexp")
 
@@ -25,6 +27,7 @@ COMMANDS = {"table": "normexp.tables.cli", "compare": "normexp.compare"}
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def run_app(cfg: DictConfig) -> float | None:
+    from .engine.trainer import Interrupted
     from .run import run  # heavy imports after Hydra has parsed the command line (fast --help/--cfg)
 
     hydra_cfg = HydraConfig.get()
@@ -32,10 +35,13 @@ def run_app(cfg: DictConfig) -> float | None:
     try:
         summary = run(cfg, run_dir)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # the sweep records this job as failed and carries on with the others
         sys.exit(2)
+    except Interrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
     log.info("run record: %s", run_dir)
     print(f"run record: {run_dir}")
     if summary["status"] == "diverged":
@@ -49,6 +55,27 @@ def run_app(cfg: DictConfig) -> float | None:
     return None
 
 
+def join_job() -> None:
+    """Before Hydra names the run directory: every process of a job must name the same one.
+
+    The directory's time stamp comes from ``NORMEXP_RUN_STAMP`` (train.yaml), set here once and inherited
+    by what this process launches -- SLURM jobs of a sweep, and the same jobs when they are requeued, so a
+    requeued job finds its checkpoint. Under torchrun, process 0's stamp is broadcast to the others, whose
+    Hydra writes no files there and logs warnings only.
+    """
+    os.environ.setdefault("NORMEXP_RUN_STAMP", datetime.now().strftime("%Y-%m-%d/%H-%M-%S"))
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    from .engine import distributed
+
+    cpu = any(arg in ("trainer.device=cpu", "++trainer.device=cpu") for arg in sys.argv[1:])
+    world = distributed.init_distributed("cpu" if cpu else "auto")
+    os.environ["NORMEXP_RUN_STAMP"] = distributed.broadcast_object(os.environ["NORMEXP_RUN_STAMP"])
+    if not world.is_main:
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout",
+                     "hydra.job_logging.root.level=WARNING"]
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
         import importlib
@@ -57,6 +84,7 @@ def main() -> None:
         sys.argv[0] = f"normexp {command}"
         importlib.import_module(COMMANDS[command]).main()
         return
+    join_job()
     run_app()
 
 

@@ -1,4 +1,8 @@
-"""One entry for every task: seeds, run record, loggers, dispatch. Nothing here touches Hydra."""
+"""One entry for every task: validate, prepare, seed, record, dispatch. Nothing here touches Hydra.
+
+In a distributed job every process runs this; process 0 alone writes the record, its directory and the
+loggers, and every process uses that directory.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .engine.trainer import Diverged
-from .errors import UserError
-from .tasks import TASKS, prepare_config
+from .config import validate
+from .engine import distributed
+from .engine.trainer import Diverged, Interrupted
+from .errors import UserError, one_line
+from .tasks import get_task
 from .tracking.provenance import seed_everything
 from .tracking.records import MetricsMirror, RunRecord
 
@@ -30,27 +36,46 @@ def build_mirrors(cfg: DictConfig, run_dir: Path, config: dict[str, Any]) -> lis
     raise UserError(f"unknown logger '{cfg.logger.name}'; use logger=wandb or logger=none")
 
 
+def named_after(run_dir: Path, configured: str, prepared: str) -> Path:
+    """The run directory renamed after the model that runs, when Hydra named it after the configured one
+    (``task=robustness`` evaluating a checkpoint of another model). Process 0 renames; all agree."""
+    new = run_dir
+    if configured != prepared and run_dir.name.endswith(configured):
+        new = run_dir.with_name(run_dir.name[: -len(configured)] + prepared)
+        if distributed.info().is_main:
+            if new.exists():
+                new = run_dir
+            else:
+                run_dir.rename(new)
+    return Path(distributed.broadcast_object(str(new)))
+
+
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Run ``cfg.task`` in ``run_dir``; the record is written whether the task completes, diverges or fails.
 
     Divergence is a result: the record ends ``diverged`` with the step and the last finite metrics, and
-    this returns normally (exit code 0, so a sweep carries on).
+    this returns normally (exit code 0, so a sweep carries on). A stop signal ends it ``interrupted``
+    after the trainer's checkpoint (:class:`Interrupted` propagates).
     """
     run_dir = Path(run_dir)
-    if cfg.task.name not in TASKS:
-        raise UserError(f"unknown task '{cfg.task.name}'; available: {', '.join(TASKS)}")
     preparation_error = None
     try:
-        cfg = prepare_config(cfg)
+        validate(cfg)
+        task = get_task(cfg.task.name)
+        prepared = task.prepare(cfg)
+        run_dir = named_after(run_dir, cfg.name, prepared.name)
+        cfg = prepared
     except UserError as e:  # still recorded below, as a failed run of the config as given
         preparation_error = e
+    world = distributed.init_distributed(cfg.trainer.device)
     config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    seed_everything(cfg.seed)
-    record = RunRecord(run_dir, config, build_mirrors(cfg, run_dir, config))
+    seed_everything(cfg.seed + world.rank)  # every process its own augmentation; DDP shares process 0's init
+    mirrors = build_mirrors(cfg, run_dir, config) if world.is_main and preparation_error is None else []
+    record = RunRecord(run_dir, config, mirrors, writes=world.is_main)
     try:
         if preparation_error is not None:
             raise preparation_error
-        TASKS[cfg.task.name](cfg, record)
+        task.run(cfg, record)
     except Diverged as d:
         log.warning("%s: %s", cfg.name, d)
         record.log({"step": d.step, "epoch": d.epoch, "train/loss": d.loss, "diverged": True})
@@ -58,7 +83,11 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         record.update(metrics={**d.metrics, **last},
                       diverged={"step": d.step, "epoch": d.epoch, "loss": d.loss})
         return record.finish("diverged", error=str(d))
+    except Interrupted as e:
+        record.finish("interrupted", error=str(e))
+        e.hand_over()  # submitit requeues the job here; otherwise the process ends with the signal's code
+        raise
     except BaseException as e:
-        record.finish("failed", error=f"{type(e).__name__}: {e}".splitlines()[0])
+        record.finish("failed", error=f"{type(e).__name__}: {one_line(e)}")
         raise
     return record.finish("completed")

@@ -6,14 +6,20 @@ sorted into class folders, as the usual ``valprep.sh`` does).
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 from pathlib import Path
+from typing import Any
 
-from timm.data import create_transform
+from torch.utils.data import default_collate
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import UserError
 from .loaders import ClassificationData, make_loader
+from .transforms import build_transforms
+
+log = logging.getLogger(__name__)
 
 LAYOUT = "<root>/train/<wnid>/*.JPEG and <root>/val/<wnid>/*.JPEG"
 
@@ -21,7 +27,8 @@ LAYOUT = "<root>/train/<wnid>/*.JPEG and <root>/val/<wnid>/*.JPEG"
 def check_imagefolder_root(root: str | None, splits: tuple[str, ...], num_classes: int) -> None:
     """Fail with one clear line unless ``root`` holds every split as class folders with images."""
     if not root:
-        raise UserError(f"data.root is not set: pass data.root=/path/to/imagenet (expected layout {LAYOUT})")
+        raise UserError("data.root is not set: pass data.root=/path/to/imagenet or set NORMEXP_IMAGENET_ROOT "
+                        f"(expected layout {LAYOUT})")
     root_path = Path(root)
     if not root_path.is_dir():
         raise UserError(f"ImageNet root '{root}' does not exist: expected layout {LAYOUT}")
@@ -47,28 +54,54 @@ def check_imagefolder_root(root: str | None, splits: tuple[str, ...], num_classe
                         f"{num_classes}; set data.num_classes={len(class_sets[first])}")
 
 
-def build_transforms(cfg, is_training: bool):
-    if is_training:
-        return create_transform(
-            input_size=cfg.img_size, is_training=True, auto_augment=cfg.auto_augment,
-            color_jitter=cfg.color_jitter, interpolation=cfg.interpolation, re_prob=cfg.reprob,
-            re_mode=cfg.remode, re_count=cfg.recount, mean=tuple(cfg.mean), std=tuple(cfg.std),
-        )
-    return create_transform(
-        input_size=cfg.img_size, is_training=False, interpolation=cfg.interpolation,
-        crop_pct=cfg.crop_pct, mean=tuple(cfg.mean), std=tuple(cfg.std),
-    )
+class SafeImageFolder(ImageFolder):
+    """ImageFolder that survives unreadable files: ``skip`` leaves them out of their batch and marks them
+    (in memory shared with the loader workers, so every process's count is exact), ``fail`` stops with one
+    line naming the file. Real ImageNet trees hold a few corrupt or mislabeled-format files."""
+
+    def __init__(self, root: Path, transform: Any, on_bad_image: str) -> None:
+        super().__init__(root, transform=transform)
+        self.on_bad_image = on_bad_image
+        self.bad = multiprocessing.Array("b", len(self.samples), lock=False)  # 1: this file could not be read
+
+    def __getitem__(self, index: int) -> tuple[Any, int] | None:
+        try:
+            return super().__getitem__(index)
+        except (OSError, SyntaxError, ValueError) as e:  # truncated, not an image, bad header
+            path = self.samples[index][0]
+            if self.on_bad_image == "fail":
+                raise UserError(f"cannot read image '{path}' ({type(e).__name__}: {e}): remove or replace "
+                                "it, or skip unreadable images with data.on_bad_image=skip") from None
+            if not self.bad[index]:
+                log.warning("skipping unreadable image %s (%s: %s)", path, type(e).__name__, e)
+            self.bad[index] = 1
+            return None
+
+    def bad_files(self) -> list[str]:
+        return [self.samples[i][0] for i, flag in enumerate(self.bad) if flag]
+
+
+def collate_readable(batch: list[Any]) -> Any:
+    """The default collate of the samples that could be read."""
+    readable = [sample for sample in batch if sample is not None]
+    if not readable:
+        raise UserError(f"none of the {len(batch)} images of a batch could be read: check the dataset "
+                        "(the log names each unreadable file)")
+    return default_collate(readable)
 
 
 def build_imagenet(cfg, seed: int) -> ClassificationData:
     check_imagefolder_root(cfg.root, (cfg.train_split, cfg.val_split), cfg.num_classes)
     root = Path(cfg.root)
-    train = ImageFolder(root / cfg.train_split, transform=build_transforms(cfg, is_training=True))
-    val = ImageFolder(root / cfg.val_split, transform=build_transforms(cfg, is_training=False))
+    on_bad = cfg.get("on_bad_image", "skip")
+    train = SafeImageFolder(root / cfg.train_split, build_transforms(cfg, is_training=True), on_bad)
+    val = SafeImageFolder(root / cfg.val_split, build_transforms(cfg, is_training=False), on_bad)
     pin = cfg.get("pin_memory", True)
     return ClassificationData(
-        train=make_loader(train, cfg.batch_size, True, cfg.num_workers, seed, pin_memory=pin),
-        val=make_loader(val, cfg.eval_batch_size, False, cfg.num_workers, seed, pin_memory=pin),
+        train=make_loader(train, cfg.batch_size, True, cfg.num_workers, seed, pin_memory=pin,
+                          collate_fn=collate_readable, repeats=max(cfg.get("aug_repeats") or 1, 1)),
+        val=make_loader(val, cfg.eval_batch_size, False, cfg.num_workers, seed, pin_memory=pin,
+                        collate_fn=collate_readable),
         num_classes=cfg.num_classes,
         img_size=cfg.img_size,
         in_chans=3,

@@ -12,6 +12,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..engine import distributed
+from .samplers import ShardedSampler
+
 
 @dataclass
 class ClassificationData:
@@ -38,18 +41,35 @@ def seed_worker(worker_id: int) -> None:
 
 
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, seed: int,
-                pin_memory: bool = False, collate_fn: Callable | None = None) -> DataLoader:
-    """A loader whose shuffling and worker seeds follow ``seed`` (train: shuffled, full batches)."""
-    generator = torch.Generator().manual_seed(seed)
+                pin_memory: bool = False, collate_fn: Callable | None = None, repeats: int = 1) -> DataLoader:
+    """This process's loader of ``dataset`` (train: shuffled, whole global batches; eval: each sample once).
+
+    The order comes from a :class:`ShardedSampler` over the processes of a distributed job, so the global
+    batches do not depend on the number of processes; ``batch_size`` is per process. ``repeats`` > 1:
+    repeated augmentation. Call :func:`set_epoch` before each epoch.
+    """
+    world = distributed.info()
+    sampler = ShardedSampler(len(dataset), shuffle=train, seed=seed, rank=world.rank,
+                             world_size=world.world_size, batch_size=batch_size, drop_last=train,
+                             repeats=repeats if train else 1)
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=train,
-        drop_last=train,
+        sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory,
         worker_init_fn=seed_worker,
-        generator=generator,
+        generator=torch.Generator().manual_seed(seed),
         persistent_workers=num_workers > 0,
         collate_fn=collate_fn,
     )
+
+
+def set_epoch(loader: DataLoader, epoch: int, start_batch: int = 0) -> None:
+    """Deal ``epoch`` from its ``start_batch``-th batch on, with worker seeds that follow (seed, rank, epoch)
+    -- so a run resumed mid-epoch sees the batches, in the order, it would have seen."""
+    sampler = loader.sampler
+    if isinstance(sampler, ShardedSampler):
+        sampler.set_epoch(epoch, start_batch)
+        if loader.generator is not None:
+            loader.generator.manual_seed((sampler.seed * 1_000_003 + epoch) * 1_009 + sampler.rank)

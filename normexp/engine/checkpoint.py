@@ -1,4 +1,11 @@
-"""Checkpoints written atomically: a crash mid-save never leaves a half-written file behind."""
+"""Checkpoints written atomically and read safely.
+
+Writing: to ``<name>.tmp`` in the same directory, flushed and fsync'ed, then renamed over ``<name>`` (and the
+directory fsync'ed): a process killed mid-write leaves the previous checkpoint whole. Reading:
+``torch.load(weights_only=True)`` -- tensors and plain containers only, so a checkpoint cannot run code
+(numpy's array reconstruction is allowed for the RNG states of checkpoints written before they were
+stored as tensors).
+"""
 
 from __future__ import annotations
 
@@ -6,30 +13,51 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 
 from ..errors import UserError
 
+# what weights_only=True may rebuild besides tensors and containers: numpy RNG states of older checkpoints
+_NUMPY_CORE = getattr(np, "_core", None) or np.core
+SAFE_GLOBALS = [np.ndarray, np.dtype, _NUMPY_CORE.multiarray._reconstruct,
+                *([np.dtypes.UInt32DType] if hasattr(np, "dtypes") else [])]
+
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
+    with tmp.open("wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint file, or the ``checkpoint.pth`` of a run directory."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "checkpoint.pth"
+def checkpoint_file(source: str | Path) -> Path:
+    """A checkpoint file, or the ``checkpoint.pth`` of a run directory."""
+    path = Path(source)
+    return path / "checkpoint.pth" if path.is_dir() else path
+
+
+def load_checkpoint(source: str | Path) -> dict[str, Any]:
+    """Load a checkpoint file or a run directory's; a missing, truncated or foreign file is one clear line."""
+    path = checkpoint_file(source)
     if not path.is_file():
         raise UserError(f"no checkpoint at '{path}': give a run directory or a .pth file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # corrupt or foreign file
-        raise UserError(f"cannot read checkpoint '{path}': {e}") from e
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, corrupt, or holding objects weights_only refuses
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot read checkpoint '{path}' ({type(e).__name__}: {first[:200]}): it is "
+                        "truncated (a kill while writing?), corrupt or not a checkpoint of tensors") from e
 
 
 def load_model_state(model: torch.nn.Module, state_dict: dict[str, Any], source: str) -> None:

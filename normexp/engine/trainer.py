@@ -1,16 +1,33 @@
-"""The one training loop (DeiT/timm style): train_one_epoch, evaluate, fit.
+"""The one training loop (DeiT/timm style): fit = train_one_epoch + evaluate, for one process or many.
 
 Uses timm's utilities rather than re-writing them: optimizer factory (no weight decay on 1-D params,
 biases and the model's ``no_weight_decay()`` names), per-iteration cosine schedule with linear warm-up,
-Mixup/CutMix, label smoothing, model EMA, gradient clipping and top-k accuracy. AMP only on CUDA.
+Mixup/CutMix, label smoothing, model EMA, gradient clipping.
+
+Distributed (torchrun / SLURM, see ``distributed.py``): the model is wrapped in DDP (BatchNorm layers become
+SyncBatchNorm first, ``trainer.sync_bn``), every process trains on its shard of each global batch, and only
+process 0 writes the run record, checkpoints and loggers. The global batch is ``data.batch_size`` x processes
+x ``trainer.accum_steps`` (or, when the recipe states ``trainer.global_batch``, the accumulation that
+reaches it), and the learning-rate rule scales by it.
+
+Preemption: a checkpoint is written every ``trainer.checkpoint_interval`` updates and at each epoch end
+(model, EMA, optimizer, scheduler, scaler, position in the epoch, every process's RNG states), so
+``trainer.resume=auto`` continues a killed run where it stopped, mid-epoch included, with the numbers an
+uninterrupted run has. SIGTERM, SIGUSR1 and SIGUSR2 (submitit's preemption signal) let the current update
+finish, checkpoint, and then hand over to the handler that was there before (submitit's requeue), or end
+the run as ``interrupted``.
+
+Divergence: the loss stays on the device; every ``log_interval`` updates, before each checkpoint and at the
+end of an epoch it is read once, and a non-finite loss (or one above ``trainer.max_loss``) anywhere in the
+window stops the run with the exact step (:class:`Diverged`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import random
+import signal
 import sys
 import time
 from typing import Any
@@ -23,15 +40,21 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from ..data.loaders import set_epoch
 from ..errors import UserError
+from ..tracking.provenance import config_hash
 from ..tracking.records import RunRecord
-from .checkpoint import load_checkpoint, load_model_state, save_checkpoint
+from . import distributed
+from .checkpoint import checkpoint_file, load_checkpoint, load_model_state, save_checkpoint
+from .evaluate import classification_metrics, count_predictions
+from .precision import Precision, resolve_device
 
 log = logging.getLogger(__name__)
 
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+STOP_SIGNALS = tuple(getattr(signal, s) for s in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, s))
 
 
 class Diverged(Exception):
@@ -45,12 +68,49 @@ class Diverged(Exception):
         self.last_finite = last_finite  # the last finite training loss, its step and epoch
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"trainer.device={name} but CUDA is not available; use trainer.device=cpu or auto")
-    return torch.device(name)
+class Interrupted(BaseException):
+    """A stop signal arrived; the trainer checkpointed after the current update. Not an error of the run.
+
+    ``hand_over()``, once the record says so, gives the signal to the handler that was installed before
+    the trainer's (submitit's, which requeues the job)."""
+
+    def __init__(self, signum: int, step: int, hand_over: Any = None) -> None:
+        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved; the same command "
+                         "continues it (trainer.resume=auto)")
+        self.signum, self.step = signum, step
+        self.hand_over = hand_over or (lambda: None)
+
+
+class StopSignals:
+    """While installed: remember a stop signal instead of dying at once; restore the handlers afterwards."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        with contextlib.suppress(ValueError):  # only the main thread may install handlers
+            for signum in STOP_SIGNALS:
+                self.previous[signum] = signal.signal(signum, self._note)
+        return self
+
+    def _note(self, signum: int, _frame: Any) -> None:
+        log.warning("%s: stopping after the current update", signal.Signals(signum).name)
+        self.received = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def hand_over(self) -> None:
+        """After checkpointing: the previous handler, if any, takes the signal (submitit requeues)."""
+        handler = self.previous.get(self.received) if self.received is not None else None
+        if callable(handler):
+            handler(self.received, None)
+
+
+def show_progress(setting: str | bool) -> bool:
+    return sys.stderr.isatty() if setting == "auto" else bool(setting)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -64,36 +124,72 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def show_progress(setting: str | bool) -> bool:
-    return sys.stderr.isatty() if setting == "auto" else bool(setting)
+def batch_size_of(batch: Any) -> int:
+    return batch.shape[0] if isinstance(batch, torch.Tensor) else len(batch)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors and plain values (loadable with ``weights_only=True``)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+            "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
 
 
 class Trainer:
     def __init__(self, cfg: Any, model: nn.Module, data: Any, record: RunRecord) -> None:
         self.cfg, self.data, self.record = cfg, data, record
-        self.device = resolve_device(cfg.device)
-        self.model = model.to(self.device)
-        self.amp_dtype = AMP_DTYPES.get(cfg.amp) if cfg.amp else None
-        if self.amp_dtype is not None and self.device.type != "cuda":
-            log.warning("trainer.amp=%s is CUDA-only; training in float32 on %s", cfg.amp, self.device)
-            self.amp_dtype = None
-        self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype is torch.float16 else None
-        self.progress = show_progress(cfg.progress)
+        self.dist = distributed.info()
+        self.device = resolve_device(cfg.device, self.dist.local_rank)
+        self.precision = Precision(cfg.amp, self.device)
+        self.progress = show_progress(cfg.progress) and self.dist.is_main
+        model = model.to(self.device)
+        if self.dist.enabled and cfg.sync_bn and self.device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BN statistics over the global batch
+        self.module = model  # the bare model: EMA, checkpoints, evaluation
+        self.model = model
+        if self.dist.enabled:
+            self.model = DistributedDataParallel(
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=cfg.find_unused_parameters)
+
+        self.accum_steps = self.resolve_accumulation()
+        sampler = data.train.sampler
+        if hasattr(sampler, "update_multiple"):  # epochs of whole updates
+            sampler.update_multiple = self.accum_steps
+        self.global_batch = data.train.batch_size * self.dist.world_size * self.accum_steps
+        self.updates_per_epoch = len(data.train) // self.accum_steps
+        if self.updates_per_epoch == 0:
+            raise UserError(f"the training set is smaller than one batch ({self.global_batch} images per "
+                            "update): lower data.batch_size or trainer.accum_steps")
+        record.update(world_size=self.dist.world_size, global_batch=self.global_batch,
+                      accum_steps=self.accum_steps)
 
         # the module: timm exempts 1-D params, biases and no_weight_decay() names; its parameters: all decay
-        params = self.model.parameters() if cfg.decay_norm_and_bias else self.model
+        params = self.module.parameters() if cfg.decay_norm_and_bias else self.module
         self.optimizer = create_optimizer_v2(
             params, opt=cfg.opt, lr=self.scaled_lr(cfg.lr), weight_decay=cfg.weight_decay,
             eps=cfg.opt_eps, betas=tuple(cfg.betas),
         )
-        self.updates_per_epoch = len(data.train)
-        if self.updates_per_epoch == 0:
-            raise UserError("the training set is smaller than one batch: lower data.batch_size")
         warmup_epochs = cfg.warmup_iters / self.updates_per_epoch if cfg.warmup_iters else cfg.warmup_epochs
         milestones = {"decay_milestones": tuple(cfg.decay_milestones)} if cfg.decay_milestones else {}
+        scale_ends = cfg.get("lr_scale_warmup_min", True)
         self.scheduler, _ = create_scheduler_v2(
             self.optimizer, sched=cfg.sched, num_epochs=cfg.epochs, warmup_epochs=warmup_epochs,
-            warmup_lr=self.scaled_lr(cfg.warmup_lr), min_lr=self.scaled_lr(cfg.min_lr),
+            warmup_lr=self.scaled_lr(cfg.warmup_lr) if scale_ends else cfg.warmup_lr,
+            min_lr=self.scaled_lr(cfg.min_lr) if scale_ends else cfg.min_lr,
             decay_rate=cfg.decay_rate, step_on_epochs=False, updates_per_epoch=self.updates_per_epoch,
             **milestones,
         )
@@ -108,166 +204,253 @@ class Trainer:
             self.train_loss = LabelSmoothingCrossEntropy(smoothing=cfg.smoothing)
         else:
             self.train_loss = nn.CrossEntropyLoss()
-        self.ema = ModelEmaV3(self.model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) \
+        self.ema = ModelEmaV3(self.module, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) \
             if cfg.ema.enabled else None
-        self.start_epoch = 0
-        self.train_images, self.train_seconds = 0, 0.0
+
+        # where the loop is: epochs and batches done, the metrics so far, the epoch's running sums
+        self.epoch, self.batch, self.update = 0, 0, 0
         self.metrics: dict[str, Any] = {"final": {}, "best": {}}
+        self.epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.epoch_seen = 0
+        self.train_images, self.train_seconds = 0, 0.0
+        self._window = self._new_window()
         self.last_finite_loss: dict[str, Any] | None = None
-        if cfg.resume:
-            self.resume(cfg.resume)
+        self.stop = StopSignals()
+        self.resume(cfg.resume)
+
+    # ---------------------------------------------------------------- set-up
+    def resolve_accumulation(self) -> int:
+        """``accum_steps``, or -- when the recipe states ``global_batch`` -- the accumulation reaching it."""
+        per_step = self.data.train.batch_size * self.dist.world_size
+        target = self.cfg.get("global_batch")
+        if not target:
+            return int(self.cfg.accum_steps)
+        if target % per_step:
+            raise UserError(f"trainer.global_batch={target} is not a multiple of data.batch_size x processes "
+                            f"= {per_step}: choose a data.batch_size that divides it (or "
+                            "trainer.global_batch=null)")
+        steps = target // per_step
+        if self.cfg.accum_steps not in (1, steps):
+            raise UserError(f"trainer.accum_steps={self.cfg.accum_steps} contradicts trainer.global_batch="
+                            f"{target} at {per_step} images per step (it needs {steps}): set one of them")
+        return steps
 
     def scaled_lr(self, lr: float) -> float:
         """DeiT's linear rule: ``lr * global_batch / lr_base_size`` (``lr_base_size: null`` = absolute)."""
         base = self.cfg.lr_base_size
-        return lr * self.data.train.batch_size / base if base else lr
-
-    def autocast(self):
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+        return lr * self.global_batch / base if base else lr
 
     # ---------------------------------------------------------------- loop
     def fit(self) -> dict[str, Any]:
         """Train and evaluate; returns ``{"final": last evaluation, "best": best evaluation}``.
 
-        On divergence :class:`Diverged` propagates with the metrics reached so far (the last finite ones), so
-        the run record can say where it diverged and what it had reached.
+        On divergence :class:`Diverged` propagates with the metrics reached so far (the last finite ones);
+        on a stop signal :class:`Interrupted` propagates after the checkpoint is written.
         """
-        best: dict[str, Any] = {}
-        final: dict[str, Any] = {}
-        self.metrics = {"final": final, "best": best}
-        for epoch in range(self.start_epoch, self.cfg.epochs):
-            train_stats = self.train_one_epoch(epoch)
-            row = {"epoch": epoch + 1, "step": (epoch + 1) * self.updates_per_epoch, **train_stats}
-            if (epoch + 1) % self.cfg.eval_interval == 0 or epoch + 1 == self.cfg.epochs:
-                row.update(self.evaluate(self.model, "val"))
-                if self.ema is not None:
-                    row.update(self.evaluate(self.ema.module, "ema/val"))
-                final = {k: v for k, v in row.items() if "/" in k and not k.startswith("train/")}
-                final["epoch"] = epoch + 1
-                if not best or final[self.cfg.best_metric] > best[self.cfg.best_metric]:
-                    best = dict(final)
-                self.metrics = {"final": final, "best": best}
-                log.info("epoch %d/%d  %s", epoch + 1, self.cfg.epochs,
-                         "  ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
-            self.record.log(row)
-            if self.cfg.checkpoint:
-                self.save(epoch + 1)
-        return {"final": final, "best": best}
+        with self.stop:
+            while self.epoch < self.cfg.epochs:
+                epoch = self.epoch
+                train_stats = self.train_one_epoch(epoch)
+                row = {"epoch": epoch + 1, "step": self.update, **train_stats}
+                if (epoch + 1) % self.cfg.eval_interval == 0 or epoch + 1 == self.cfg.epochs:
+                    row.update(self.evaluate(self.module, "val"))
+                    if self.ema is not None:
+                        row.update(self.evaluate(self.ema.module, "ema/val"))
+                    final = {k: v for k, v in row.items() if "/" in k and not k.startswith("train/")}
+                    final["epoch"] = epoch + 1
+                    best = self.metrics["best"]
+                    if not best or final[self.cfg.best_metric] > best[self.cfg.best_metric]:
+                        best = dict(final)
+                    self.metrics = {"final": final, "best": best}
+                    log.info("epoch %d/%d  %s", epoch + 1, self.cfg.epochs,
+                             "  ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
+                self.record.log(row)
+                self.epoch, self.batch = epoch + 1, 0
+                if self.cfg.checkpoint:
+                    self.save()
+        return self.metrics
 
     def train_one_epoch(self, epoch: int) -> dict[str, float]:
         self.model.train()
-        loss_sum, seen, start = 0.0, 0, time.perf_counter()
-        bar = tqdm(self.data.train, desc=f"train {epoch + 1}/{self.cfg.epochs}", disable=not self.progress,
+        loader = self.data.train
+        set_epoch(loader, epoch, self.batch)
+        if self.batch == 0:
+            self.epoch_loss.zero_()
+            self.epoch_seen = 0
+        start, seen_before = time.perf_counter(), self.epoch_seen
+        bar = tqdm(loader, desc=f"train {epoch + 1}/{self.cfg.epochs}", disable=not self.progress,
                    leave=False)
-        for i, (images, targets) in enumerate(bar):
-            step = epoch * self.updates_per_epoch + i
+        for images, targets in bar:
+            last_micro = (self.batch + 1) % self.accum_steps == 0
             images, targets = to_device(images, self.device), to_device(targets, self.device)
-            loss = self.compute_loss(images, targets)
-            self.check_divergence(loss.item(), step + 1, epoch + 1)
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-                self.scaler.unscale_(self.optimizer)
-            else:
-                loss.backward()
-            if self.cfg.clip_grad:
-                dispatch_clip_grad(self.model.parameters(), self.cfg.clip_grad, mode=self.cfg.clip_mode)
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
-            self.scheduler.step_update(step + 1)
-            if self.ema is not None:
-                self.ema.update(self.model, step=step)
-            loss_sum += loss.item() * len(images)
-            seen += len(images)
-            lr = self.optimizer.param_groups[0]["lr"]
-            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.2e}")
-            if self.cfg.log_interval and (step + 1) % self.cfg.log_interval == 0:
-                self.record.log({"step": step + 1, "epoch": epoch + 1, "train/loss": loss.item(), "lr": lr})
+            sync = contextlib.nullcontext() if last_micro or not self.dist.enabled else self.model.no_sync()
+            with sync:
+                loss = self.compute_loss(images, targets)
+                self.precision.backward(loss / self.accum_steps)
+            n = batch_size_of(images)
+            self.epoch_loss += loss.detach().double() * n
+            self.epoch_seen += n
+            self._track(loss.detach())
+            self.batch += 1
+            if not last_micro:
+                continue
+            self.optimizer_step()
+            if self.cfg.log_interval and self.update % self.cfg.log_interval == 0:
+                self.log_window()
+            if self.cfg.checkpoint_interval and self.update % self.cfg.checkpoint_interval == 0:
+                self.check_divergence()
+                self.save()
+            if self.stop.received is not None:
+                self.check_divergence()
+                self.save()
+                raise Interrupted(self.stop.received, self.update, self.stop.hand_over)
+        self.check_divergence()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
+        seen = (self.epoch_seen - seen_before) * self.dist.world_size
         self.train_images += seen
         self.train_seconds += seconds
-        return {"train/loss": loss_sum / seen, "train/images_per_s": seen / seconds,
+        total = distributed.all_reduce_sum(self.epoch_loss.clone())
+        return {"train/loss": float(total) / (self.epoch_seen * self.dist.world_size),
+                "train/images_per_s": seen / seconds if seconds else float("nan"),
                 "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def optimizer_step(self) -> None:
+        if self.cfg.clip_grad:
+            self.precision.unscale(self.optimizer)
+            dispatch_clip_grad(self.module.parameters(), self.cfg.clip_grad, mode=self.cfg.clip_mode)
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.update += 1
+        self.scheduler.step_update(self.update)
+        if self.ema is not None:
+            self.ema.update(self.module, step=self.update - 1)
 
     def compute_loss(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training loss of one batch (tasks with other models override this and ``evaluate``)."""
         if self.mixup is not None:
             images, targets = self.mixup(images, targets)
-        with self.autocast():
+        with self.precision.autocast():
             return self.train_loss(self.model(images), targets)
 
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, prefix: str) -> dict[str, float]:
-        model.eval()
-        criterion = nn.CrossEntropyLoss(reduction="sum")
-        loss_sum, correct1, correct5, seen = 0.0, 0, 0, 0
-        topk = (1, min(5, self.data.num_classes))
-        for images, targets in tqdm(self.data.val, desc=prefix, disable=not self.progress, leave=False):
-            images = images.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            with self.autocast():
-                logits = model(images)
-            loss_sum += criterion(logits.float(), targets).item()
-            hits = logits.topk(max(topk), dim=1).indices == targets[:, None]  # exact counts, no rounding
-            correct1 += hits[:, : topk[0]].any(dim=1).sum().item()
-            correct5 += hits[:, : topk[1]].any(dim=1).sum().item()
-            seen += images.shape[0]
-        return {f"{prefix}/loss": loss_sum / seen, f"{prefix}/top1": 100 * correct1 / seen,
-                f"{prefix}/top5": 100 * correct5 / seen}
+    # ---------------------------------------------------------------- divergence, without a sync per step
+    def _new_window(self) -> dict[str, torch.Tensor]:
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        return {"sum": zero.clone(), "count": zero.clone(), "max": zero.clone(),
+                "first_bad": torch.full((), -1, dtype=torch.long, device=self.device),
+                "bad_loss": zero.clone(), "last_good": zero.clone(),
+                "last_good_step": torch.full((), -1, dtype=torch.long, device=self.device)}
 
-    def check_divergence(self, loss: float, step: int, epoch: int) -> None:
-        """Stop at a non-finite loss or one above ``trainer.max_loss`` (null: non-finite only)."""
-        max_loss = self.cfg.get("max_loss")
-        if not math.isfinite(loss) or (max_loss is not None and loss > max_loss):
-            raise Diverged(step, epoch, loss, self.metrics, self.last_finite_loss)
-        self.last_finite_loss = {"step": step, "epoch": epoch, "train/loss": loss}
+    def _track(self, loss: torch.Tensor) -> None:
+        """Fold one micro-batch's loss into the window, on the device (its step: the update it is part of)."""
+        w, loss = self._window, loss.double()
+        step = self.update + 1
+        bad = ~torch.isfinite(loss)
+        if self.cfg.get("max_loss") is not None:
+            bad |= loss > self.cfg.max_loss
+        first = (w["first_bad"] < 0) & bad
+        w["first_bad"] = torch.where(first, step, w["first_bad"])
+        w["bad_loss"] = torch.where(first, loss, w["bad_loss"])
+        ok = ~bad & (w["first_bad"] < 0)
+        w["last_good"] = torch.where(ok, loss, w["last_good"])
+        w["last_good_step"] = torch.where(ok, step, w["last_good_step"])
+        w["sum"] += loss
+        w["count"] += 1
+        w["max"] = torch.maximum(w["max"], loss)
+
+    def check_divergence(self) -> None:
+        """Read the window once; on any process's bad loss, every process stops at the earliest bad step."""
+        w = self._window
+        first = int(w["first_bad"])
+        if self.dist.enabled:
+            steps = distributed.all_gather_objects(first)
+            first = min((s for s in steps if s >= 0), default=-1)
+        if int(w["last_good_step"]) >= 0:
+            self.last_finite_loss = {"step": int(w["last_good_step"]), "epoch": self.epoch + 1,
+                                     "train/loss": float(w["last_good"])}
+        if first >= 0:
+            raise Diverged(first, self.epoch + 1, float(w["bad_loss"]), self.metrics, self.last_finite_loss)
+
+    def log_window(self) -> None:
+        """A ``train/loss`` row every ``log_interval`` updates: the mean over the window's global batches."""
+        self.check_divergence()
+        w = self._window
+        total = distributed.all_reduce_sum(torch.stack([w["sum"], w["count"]]))
+        mean = float(total[0] / total[1]) if float(total[1]) else float("nan")
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.record.log({"step": self.update, "epoch": self.epoch + 1, "train/loss": mean, "lr": lr})
+        self._window = self._new_window()
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self, model: nn.Module, prefix: str) -> dict[str, float]:
+        topk = (1, min(5, self.data.num_classes))
+        counts = count_predictions(model, self.data.val, self.precision, topk=topk, progress=self.progress,
+                                   desc=prefix)
+        return classification_metrics(counts, ("top1", "top5"), prefix)
 
     @property
     def images_per_s(self) -> float:
         return self.train_images / self.train_seconds if self.train_seconds else float("nan")
 
     # ---------------------------------------------------------------- state
-    def save(self, epoch: int) -> None:
-        save_checkpoint(self.record.checkpoint_path, {
-            "epoch": epoch,
-            "model": self.model.state_dict(),
+    def state(self) -> dict[str, Any]:
+        return {
+            "run_id": config_hash(self.record.config),
+            "epoch": self.epoch, "batch": self.batch, "update": self.update,
+            "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
             "ema": self.ema.module.state_dict() if self.ema is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "scaler": self.precision.scaler.state_dict() if self.precision.scaler is not None else None,
+            "metrics": self.metrics,
+            "epoch_loss": self.epoch_loss.cpu(), "epoch_seen": self.epoch_seen,
+            "train_images": self.train_images, "train_seconds": self.train_seconds,
             "config": self.record.config,
-            "rng": {  # so a resumed run continues exactly as an uninterrupted one
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "numpy": np.random.get_state(),
-                "python": random.getstate(),
-                "loader": self.data.train.generator.get_state() if self.data.train.generator else None,
-            },
-        })
+            "rng": distributed.all_gather_objects(rng_state()),  # every process's, by rank
+        }
 
-    def resume(self, source: str) -> None:
+    def save(self) -> None:
+        """Checkpoint (process 0 writes; every process contributes its RNG state)."""
+        state = self.state()
+        if self.dist.is_main:
+            save_checkpoint(self.record.checkpoint_path, state)
+        distributed.barrier()
+
+    def resume(self, source: str | None) -> None:
+        """``auto``: this run directory's checkpoint if there is one; a path: that run's or file's."""
+        if not source:
+            return
+        if source == "auto":
+            if not checkpoint_file(self.record.dir).is_file():
+                return
+            source = str(self.record.dir)
         state = load_checkpoint(source)
-        load_model_state(self.model, state["model"], source)
+        if source == str(self.record.dir) and state.get("run_id") != config_hash(self.record.config):
+            raise UserError(f"the run directory {self.record.dir} holds the checkpoint of another config "
+                            f"(run_id {state.get('run_id')}): give this run its own directory, or continue "
+                            "that one with its own config")
+        load_model_state(self.module, state["model"], source)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.ema is not None and state.get("ema") is not None:
             self.ema.module.load_state_dict(state["ema"])
-        if self.scaler is not None and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        self.start_epoch = state["epoch"]
-        # The schedule comes from the current config (as timm does), so a resumed run may extend epochs.
-        self.scheduler.step_update(self.start_epoch * self.updates_per_epoch)
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-        if rng["loader"] is not None and self.data.train.generator is not None:
-            self.data.train.generator.set_state(rng["loader"])
-        log.info("resumed from %s at epoch %d", source, self.start_epoch)
+        if self.precision.scaler is not None and state.get("scaler") is not None:
+            self.precision.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.batch = state["epoch"], state.get("batch", 0)
+        self.update = state.get("update", self.epoch * self.updates_per_epoch)
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        # the schedule comes from the current config (as timm does), so a resumed run may extend epochs
+        self.scheduler.step_update(self.update)
+        self.metrics = state.get("metrics") or self.metrics
+        self.epoch_loss = state.get("epoch_loss", self.epoch_loss).to(self.device)
+        self.epoch_seen = state.get("epoch_seen", 0)
+        self.train_images, self.train_seconds = state.get("train_images", 0), state.get("train_seconds", 0.0)
+        states = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
+        if len(states) == self.dist.world_size:
+            set_rng_state(states[self.dist.rank])
+        else:
+            log.warning("checkpoint from %d processes, resumed on %d: RNG streams restart", len(states),
+                        self.dist.world_size)
+        self.record.restore_rows(self.update)
+        log.info("resumed from %s at epoch %d, update %d", source, self.epoch, self.update)

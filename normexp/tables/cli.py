@@ -1,7 +1,7 @@
 """``normexp table``: run, render and list the paper tables (``python -m normexp.tables`` too).
 
     normexp table list
-    normexp table run dyt_squash --scale smoke [--seeds 0,1,2] [--launcher submitit_slurm] [key=value ...]
+    normexp table run dyt_squash --scale smoke [--seeds 0,1,2] [--launcher slurm] [key=value ...]
     normexp table run dtn_vit --scale full --dry-run     # the runs and their key settings, nothing launched
     normexp table render dyt_squash --scale smoke         # re-render from the run records only
 
@@ -51,7 +51,7 @@ def sweep_command(table: str, scale: str, seeds: tuple[int, ...] | None, launche
     if seeds:
         cmd.append(f"hydra.sweeper.seeds=[{','.join(map(str, seeds))}]")
     if launcher:
-        cmd.append(f"hydra/launcher={launcher}")
+        cmd.append(f"launcher={launcher}")
     return cmd + extra
 
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         p.set_defaults(func=func)
         if name == "run":
             p.add_argument("--launcher", default=None,
-                           help="a Hydra launcher, e.g. submitit_slurm (default: in this process)")
+                           help="configs/launcher/: slurm, submitit_local (default: local, in this process)")
             p.add_argument("--dry-run", action="store_true", help="print the runs and their settings only")
     args, unknown = parser.parse_known_args(argv)  # overrides may follow the options
     if args.command != "list":

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from ..data import build_classification_data
+from ..engine import distributed
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..models import build_backbone
@@ -15,6 +16,12 @@ from ..tracking.records import RunRecord
 from .robustness import check_robustness_settings, evaluate_robustness
 
 log = logging.getLogger(__name__)
+
+
+def unreadable_images(data: Any) -> list[str]:
+    """The files the loaders of every process skipped as unreadable (``data.on_bad_image=skip``)."""
+    files = {f for loader in (data.train, data.val) for f in getattr(loader.dataset, "bad_files", list)()}
+    return sorted(set().union(*distributed.all_gather_objects(files)))
 
 
 def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
@@ -31,13 +38,16 @@ def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
             raise UserError("task.robustness.ema=true needs trainer.ema.enabled=true")
         check_robustness_settings(settings, cfg.data)
     trainer = Trainer(cfg.trainer, model, data, record)
-    metrics = trainer.fit()
+    try:
+        metrics = trainer.fit()
+    finally:  # also in a record that ends diverged or failed
+        bad = unreadable_images(data)
+        record.update(bad_images=len(bad), **({"bad_image_files": bad[:20]} if bad else {}))
     record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
     if robustness:  # the final model, into this record
-        evaluated = trainer.ema.module if settings.ema else trainer.model
+        evaluated = trainer.ema.module if settings.ema else trainer.module
         metrics["robustness"] = evaluate_robustness(
-            settings, cfg.data, evaluated, record, device=trainer.device, amp_dtype=trainer.amp_dtype,
-            progress=trainer.progress, first_step=cfg.trainer.epochs * trainer.updates_per_epoch + 1,
-            epoch=cfg.trainer.epochs)
+            settings, cfg.data, evaluated, record, trainer.precision, progress=trainer.progress,
+            first_step=trainer.update + 1, epoch=cfg.trainer.epochs)
         record.update(metrics=metrics)
     return metrics

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from .. import CONFIG_DIR
 from ..data.coco import DetectionData, build_detection_data
+from ..engine import distributed
 from ..engine.checkpoint import checkpoint_run_config, load_checkpoint
 from ..engine.trainer import Trainer
 from ..errors import UserError
@@ -42,12 +43,13 @@ class DetectionTrainer(Trainer):
 
     def compute_loss(self, images: list[torch.Tensor],
                      targets: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        with self.autocast():
+        with self.precision.autocast():
             losses = self.model(images, targets)
         return sum(losses.values())
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, prefix: str) -> dict[str, float]:
+        """COCOeval of every process's detections, gathered on process 0 (which scores them once)."""
         model.eval()
         masks = hasattr(model, "roi_heads") and model.roi_heads.has_mask()  # Mask R-CNN
         bbox, segm = [], []
@@ -58,12 +60,16 @@ class DetectionTrainer(Trainer):
                 b, s = coco_results(int(target["image_id"]), output, self.data.category_ids, masks)
                 bbox += b
                 segm += s
+        gathered = distributed.all_gather_objects((bbox, segm))
         metrics = {}
-        for iou_type, results in (("bbox", bbox), ("segm", segm)) if masks else (("bbox", bbox),):
-            stats, table = coco_evaluate(self.data.val_coco, results, iou_type)
-            log.info("%s %s:\n%s", prefix, iou_type, table)
-            metrics.update({f"{prefix}/{iou_type}_{k}": v for k, v in stats.items()})
-        return metrics
+        if self.dist.is_main:
+            bbox = [r for part in gathered for r in part[0]]
+            segm = [r for part in gathered for r in part[1]]
+            for iou_type, results in (("bbox", bbox), ("segm", segm)) if masks else (("bbox", bbox),):
+                stats, table = coco_evaluate(self.data.val_coco, results, iou_type)
+                log.info("%s %s:\n%s", prefix, iou_type, table)
+                metrics.update({f"{prefix}/{iou_type}_{k}": v for k, v in stats.items()})
+        return distributed.broadcast_object(metrics)
 
 
 def load_backbone_weights(body: nn.Module, state: dict[str, Any], source: str) -> None:
@@ -147,5 +153,6 @@ def run_detection(cfg: Any, record: RunRecord) -> dict[str, Any]:
     metrics = trainer.fit()
     record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
     final = metrics["final"]
-    print(" ".join(f"{k}={v:.3f}" for k, v in final.items() if isinstance(v, float)), flush=True)
+    if record.writes:
+        print(" ".join(f"{k}={v:.3f}" for k, v in final.items() if isinstance(v, float)), flush=True)
     return metrics

@@ -12,24 +12,23 @@ figures, so only the unnormalised mean corruption error is reported, and the out
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
-from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from ..data.corruptions import CorruptionSuite, build_corruption_suite
-from ..data.loaders import default_cache_dir
+from ..data.loaders import default_cache_dir, make_loader
+from ..engine import distributed
 from ..engine.checkpoint import checkpoint_run_config, load_checkpoint, load_model_state
-from ..engine.trainer import AMP_DTYPES, resolve_device, show_progress
+from ..engine.evaluate import count_predictions
+from ..engine.precision import Precision, resolve_device
+from ..engine.trainer import show_progress
 from ..errors import UserError
 from ..metrics.robustness import (
     ALEXNET,
@@ -129,23 +128,15 @@ def check_robustness_settings(settings: Any, data_cfg: Any) -> None:
 
 
 # ---------------------------------------------------------------- evaluation
-@torch.no_grad()
 def count_correct(model: nn.Module, suite: CorruptionSuite, batch_size: int, num_workers: int,
-                  device: torch.device, amp_dtype: torch.dtype | None,
-                  progress: bool) -> list[tuple[int, int]]:
-    """(top-1 correct, images) per condition of the suite, in one pass of one loader."""
-    loader = DataLoader(suite, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                        pin_memory=device.type == "cuda")
-    model.eval()
-    n = len(suite.conditions)
-    correct, seen = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
-    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
-    for images, labels, condition in tqdm(loader, desc="robustness", disable=not progress, leave=False):
-        with autocast:
-            predicted = model(images.to(device, non_blocking=True)).argmax(dim=1).cpu()
-        correct.index_add_(0, condition, (predicted == labels).long())
-        seen.index_add_(0, condition, torch.ones_like(condition))
-    return list(zip(correct.tolist(), seen.tolist(), strict=True))
+                  precision: Precision, progress: bool) -> list[tuple[int, int]]:
+    """(top-1 correct, images) per condition of the suite, in one pass of one loader (each process takes
+    its shard of the images; the counts are summed over processes)."""
+    loader = make_loader(suite, batch_size, train=False, num_workers=num_workers, seed=0,
+                         pin_memory=precision.device.type == "cuda")
+    counts = count_predictions(model, loader, precision, num_groups=len(suite.conditions), progress=progress,
+                               desc="robustness")
+    return list(zip(counts.hits[0].tolist(), counts.seen.tolist(), strict=True))
 
 
 def robustness_metrics(table: ErrorTable, clean_error: float | None,
@@ -207,9 +198,9 @@ def summary_lines(metrics: dict[str, Any], why_not_normalised: str) -> list[str]
     return lines
 
 
-def evaluate_robustness(settings: Any, data_cfg: Any, model: nn.Module, record: RunRecord, *,
-                        device: torch.device, amp_dtype: torch.dtype | None = None, progress: bool = False,
-                        first_step: int = 1, epoch: int | None = None) -> dict[str, Any]:
+def evaluate_robustness(settings: Any, data_cfg: Any, model: nn.Module, record: RunRecord,
+                        precision: Precision, *, progress: bool = False, first_step: int = 1,
+                        epoch: int | None = None) -> dict[str, Any]:
     """Evaluate ``model`` on the configured corruptions; log one row per corruption x severity, print the
     table, and return the metrics for ``summary["metrics"]["robustness"]``."""
     corruptions, severities = selected_corruptions(settings), selected_severities(settings)
@@ -221,8 +212,7 @@ def evaluate_robustness(settings: Any, data_cfg: Any, model: nn.Module, record: 
                     "reimplemented, no JPEG step); report mCE from data.imagenet_c_root")
     log.info("robustness: %d corruptions x %d severities, %s", len(corruptions), len(severities),
              suite.description)
-    counts = count_correct(model, suite, settings.batch_size, settings.num_workers, device, amp_dtype,
-                           progress)
+    counts = count_correct(model, suite, settings.batch_size, settings.num_workers, precision, progress)
 
     table: dict[str, dict[int, float]] = {}
     clean_error = None
@@ -238,8 +228,9 @@ def evaluate_robustness(settings: Any, data_cfg: Any, model: nn.Module, record: 
         record.log({"step": step, "epoch": epoch, "corruption": c, "severity": s,
                     "robustness/err": metrics[f"err/{c}/s{s}"]})
     text = "\n".join([format_table(metrics, corruptions, severities), *summary_lines(metrics, why_not)])
-    (record.dir / "robustness.txt").write_text(text + "\n")
-    print(text, flush=True)
+    if record.writes:
+        (record.dir / "robustness.txt").write_text(text + "\n")
+        print(text, flush=True)
     return metrics
 
 
@@ -300,10 +291,9 @@ def run_robustness(cfg: Any, record: RunRecord) -> dict[str, Any]:
     epoch = state.get("epoch") if isinstance(state, dict) else None
     log.info("evaluating %s (%s with norm=%s, epoch %s%s)", cfg.task.checkpoint, cfg.backbone.name,
              cfg.norm.name, epoch, ", EMA weights" if cfg.task.ema else "")
-    device = resolve_device(cfg.trainer.device)
-    amp_dtype = AMP_DTYPES.get(cfg.trainer.amp) if cfg.trainer.amp and device.type == "cuda" else None
+    precision = Precision(cfg.trainer.amp, resolve_device(cfg.trainer.device, distributed.info().local_rank))
+    progress = show_progress(cfg.trainer.progress) and record.writes
     metrics = {"robustness": evaluate_robustness(
-        cfg.task, cfg.data, model.to(device), record, device=device, amp_dtype=amp_dtype,
-        progress=show_progress(cfg.trainer.progress), epoch=epoch)}
+        cfg.task, cfg.data, model.to(precision.device), record, precision, progress=progress, epoch=epoch)}
     record.update(metrics=metrics, checkpoint=str(cfg.task.checkpoint))
     return metrics

@@ -21,7 +21,7 @@ PACKAGES = ("torch", "torchvision", "timm", "hydra-core", "omegaconf", "wandb", 
 
 # Config keys that do not change what a run computes; left out of its identity. ``table`` says which table
 # and row a run serves: the same run can serve several (e.g. a baseline shared by two tables).
-NON_IDENTITY_KEYS = ("logger", "table", "trainer.progress", "trainer.resume")
+NON_IDENTITY_KEYS = ("logger", "table", "launcher", "trainer.progress", "trainer.resume")
 
 
 def seed_everything(seed: int) -> None:

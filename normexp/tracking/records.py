@@ -68,12 +68,15 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 
 class RunRecord:
+    """The record of one run. In a distributed job every process has one, but only process 0's
+    (``writes=True``) touches the files and the mirrors; the others keep the summary in memory."""
+
     def __init__(self, run_dir: str | Path, config: dict[str, Any],
-                 mirrors: Iterable[MetricsMirror] = ()) -> None:
+                 mirrors: Iterable[MetricsMirror] = (), writes: bool = True) -> None:
         self.dir = Path(run_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.config = config
-        self.mirrors = list(mirrors)
+        self.writes = writes
+        self.mirrors = list(mirrors) if writes else []
         self.started = time.time()
         self.summary: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
@@ -88,20 +91,40 @@ class RunRecord:
             "versions": package_versions(),
             "hardware": hardware(),
         }
+        self._previous_rows: list[dict[str, Any]] = []
+        self._metrics = None
+        if not writes:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         write_json_atomic(self.dir / "summary.json", self.summary)
-        self._metrics = (self.dir / "metrics.jsonl").open("w")  # a rerun in the same directory starts afresh
+        metrics = self.dir / "metrics.jsonl"
+        if metrics.is_file():  # a rerun in this directory: kept only as far as a resumed checkpoint reaches
+            self._previous_rows = read_metrics(self.dir)
+        self._metrics = metrics.open("w")
 
     @property
     def checkpoint_path(self) -> Path:
         return self.dir / "checkpoint.pth"
 
     def log(self, row: dict[str, Any]) -> None:
+        if self._metrics is None:
+            return
         row = {k: _jsonable(v) for k, v in row.items()}
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
         for mirror in self.mirrors:
             mirror.log(row)
+
+    def restore_rows(self, until_step: int) -> None:
+        """On resume: the earlier rows of this directory up to the checkpoint's step, back in place."""
+        if self._metrics is None:
+            return
+        for row in self._previous_rows:
+            if (row.get("step") or 0) <= until_step:
+                self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+        self._previous_rows = []
 
     def update(self, **fields: Any) -> None:
         """Add fields to the summary (params, gmacs, metrics...), written at ``finish``."""
@@ -112,6 +135,8 @@ class RunRecord:
         self.summary.update(status=status, finished_at=_now(), wall_time_s=wall_time)
         if error:
             self.summary["error"] = error
+        if self._metrics is None:
+            return self.summary
         write_json_atomic(self.dir / "summary.json", self.summary)
         self._metrics.close()
         for mirror in self.mirrors:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,9 @@ class WandbMirror:
             config=config,
             dir=str(run_dir),
             mode=cfg.mode,
-            id=cfg.get("id"),
-            resume="allow" if cfg.get("id") else None,
+            # one W&B run per run directory: a resumed (or requeued) run continues its W&B run
+            id=cfg.get("id") or hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16],
+            resume="allow",
             settings=wandb.Settings(silent=True, console="off"),
         )
         self.dir = Path(self.run.dir).parent  # .../wandb/offline-run-<date>-<id>

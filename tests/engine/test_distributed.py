@@ -1,0 +1,91 @@
+"""Two CPU processes (torchrun, gloo) train what one process trains at the same global batch, write one
+record and one W&B run, and evaluate exactly; gradient accumulation is the same global batch too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, quick_cfg
+
+from normexp.data.samplers import ShardedSampler
+from normexp.run import run
+from normexp.tracking.records import read_metrics, read_summary
+
+# LN model, no augmentation randomness (digits have none; no mixup, no drop path), 20+ steps, an odd-sized
+# validation set (359 images) that 2 processes cannot split evenly
+COMMON = ["trainer.epochs=1", "trainer.warmup_epochs=0", "trainer.log_interval=1", "trainer.progress=false",
+          "trainer.smoothing=0", "data.val_fraction=0.1996", "trainer.device=cpu"]
+
+
+def cli(*args: str, nproc: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                "--master_port=29517", "-m", "normexp"] if nproc > 1 else [sys.executable, "-m", "normexp"]
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([*launcher, *args], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+
+
+def step_losses(run_dir) -> list[float]:
+    return [r["train/loss"] for r in read_metrics(run_dir) if "val/top1" not in r and "train/loss" in r]
+
+
+@pytest.mark.slow
+def test_two_processes_train_what_one_process_trains(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = cli(*COMMON, "logger=none", "data.batch_size=64", f"hydra.run.dir={one}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = cli(*COMMON, "logger=wandb", "data.batch_size=32", f"hydra.run.dir={two}", nproc=2,
+                 env={"NORMEXP_OUTPUT_DIR": str(tmp_path / "out")})
+    assert double.returncode == 0, double.stderr[-3000:]
+
+    a, b = read_summary(one), read_summary(two)
+    assert (a["global_batch"], a["world_size"]) == (64, 1) and (b["global_batch"], b["world_size"]) == (64, 2)
+    losses_a, losses_b = step_losses(one), step_losses(two)
+    assert len(losses_a) == len(losses_b) >= 20
+    assert max(abs(x - y) for x, y in zip(losses_a, losses_b, strict=True)) < 1e-5
+    weights_a = torch.load(one / "checkpoint.pth", weights_only=True)["model"]
+    weights_b = torch.load(two / "checkpoint.pth", weights_only=True)["model"]
+    assert max((weights_a[k] - weights_b[k]).abs().max().item() for k in weights_a) < 1e-5
+    assert a["metrics"]["final"]["val/top1"] == b["metrics"]["final"]["val/top1"]  # exact: 359 images
+    assert a["metrics"]["final"]["val/loss"] == pytest.approx(b["metrics"]["final"]["val/loss"], abs=1e-5)
+    # one record, one W&B run: process 1 writes nothing
+    assert sorted(p.parent for p in tmp_path.glob("**/summary.json")) == sorted([one, two])
+    assert len(list((two / "wandb").glob("offline-run-*"))) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_sampler_deals_the_same_global_batches_to_any_number_of_processes():
+    def global_batches(world: int, per_process: int, **kw) -> list[list[int]]:
+        shards = [list(ShardedSampler(100, shuffle=True, seed=3, rank=r, world_size=world,
+                                      batch_size=per_process, drop_last=True, **kw)) for r in range(world)]
+        steps = len(shards[0]) // per_process
+        return [sorted(i for s in shards for i in s[k * per_process:(k + 1) * per_process])
+                for k in range(steps)]
+
+    assert global_batches(1, 12) == global_batches(2, 6) == global_batches(4, 3)
+    # evaluation: every sample exactly once, no padding
+    shards = [list(ShardedSampler(7, shuffle=False, seed=0, rank=r, world_size=3)) for r in range(3)]
+    assert sorted(i for s in shards for i in s) == list(range(7))
+    # repeated augmentation: each image 3 times in a row, the epoch as long as without repeats
+    order = ShardedSampler(512, shuffle=True, seed=0, repeats=3).epoch_order()
+    assert len(order) == 512 and (order[:510].view(-1, 3) == order[:510].view(-1, 3)[:, :1]).all()
+
+
+def test_accumulation_is_the_same_global_batch(tmp_path):
+    base = ["trainer.epochs=1", "trainer.warmup_epochs=0", "trainer.log_interval=1", "trainer.smoothing=0"]
+    run(quick_cfg(*base, "data.batch_size=64"), tmp_path / "b64")
+    run(quick_cfg(*base, "data.batch_size=32", "trainer.accum_steps=2"), tmp_path / "b32x2")
+    summary = read_summary(tmp_path / "b32x2")
+    assert (summary["global_batch"], summary["accum_steps"]) == (64, 2)
+    losses_a, losses_b = step_losses(tmp_path / "b64"), step_losses(tmp_path / "b32x2")
+    assert len(losses_a) == len(losses_b) == 22
+    assert max(abs(x - y) for x, y in zip(losses_a, losses_b, strict=True)) < 1e-5
+
+
+def test_global_batch_sets_the_accumulation(tmp_path):
+    run(quick_cfg("data.batch_size=32", "trainer.global_batch=128", epochs=1), tmp_path / "run")
+    summary = read_summary(tmp_path / "run")
+    assert (summary["global_batch"], summary["accum_steps"]) == (128, 4)
