@@ -11,7 +11,7 @@ LAUNCHER ?=
 TABLES := $(sort $(basename $(notdir $(wildcard configs/table/*.yaml))))
 TABLE_ARGS = --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(LAUNCHER),--launcher $(LAUNCHER))
 
-.PHONY: help install demo test test-fast lint format clean-runs tables $(addprefix table-,$(TABLES))
+.PHONY: help install demo test test-fast lint format clean-runs tables dashboard $(addprefix table-,$(TABLES))
 
 help:
 	@echo "make install    create $(VENV) and install normexp with its dev extras"
@@ -22,6 +22,7 @@ help:
 	@echo "make table-<id> run what a paper table needs, then render it [SCALE=smoke|full] [SEEDS=0,1,2]"
 	@echo "                [LAUNCHER=slurm]; tables: $(TABLES)"
 	@echo "make tables     every table (one after another; the others go on when one has a failed run)"
+	@echo "make dashboard  import every run record into MLflow and serve its UI on http://127.0.0.1:5000"
 
 install: $(STAMP)
 
@@ -50,6 +51,9 @@ $(addprefix table-,$(TABLES)): table-%: install
 
 tables: install
 	@status=0; for t in $(TABLES); do $(PY) -m normexp table run $$t $(TABLE_ARGS) || status=1; done; exit $$status
+
+dashboard: install
+	$(PY) -m normexp dashboard
 
 clean-runs:
 	rm -rf outputs multirun

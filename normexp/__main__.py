@@ -1,7 +1,8 @@
 """``normexp [group=option ...] [key=value ...]``: compose the config, then run it (a Hydra app).
 
 ``normexp <command> ...`` runs one of the tools instead: ``table`` (paper tables), ``compare`` (compare run
-records); ``normexp <command> --help`` says more.
+records), ``dashboard`` (MLflow's UI over every record), ``sync`` (upload offline W&B runs);
+``normexp <command> --help`` says more.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from .errors import UserError, one_line
 log = logging.getLogger("normexp")
 
 # ``normexp <command>``: tools that are not training runs (a Hydra override always contains '=').
-COMMANDS = {"table": "normexp.tables.cli", "compare": "normexp.compare"}
+COMMANDS = {"table": "normexp.tables.cli", "compare": "normexp.compare", "dashboard": "normexp.dashboard",
+            "sync": "normexp.sync"}
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")

@@ -85,6 +85,8 @@ class TrainerSchema:
     global_batch: int | None = _f(None, **rng(1))
     sync_bn: bool = True
     find_unused_parameters: bool = False
+    compile: bool = False
+    channels_last: bool = False
 
 
 @dataclass

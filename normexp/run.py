@@ -18,22 +18,30 @@ from .engine.trainer import Diverged, Interrupted
 from .errors import UserError, one_line
 from .tasks import get_task
 from .tracking.provenance import seed_everything
-from .tracking.records import MetricsMirror, RunRecord
+from .tracking.records import MetricsMirror, RunRecord, run_tags
 
 log = logging.getLogger(__name__)
 
 
-def build_mirrors(cfg: DictConfig, run_dir: Path, config: dict[str, Any]) -> list[MetricsMirror]:
-    if cfg.logger.name == "none":
-        return []
-    if cfg.logger.name == "wandb":
-        from .tracking.wandb import WandbMirror
+MIRRORS = {"wandb": ("normexp.tracking.wandb", "WandbMirror"),
+           "mlflow": ("normexp.tracking.mlflow", "MlflowMirror")}
 
-        tags = [cfg.backbone.name, cfg.norm.name, cfg.task.name, cfg.data.name, *cfg.get("tags", [])]
-        if cfg.get("table"):  # a table's run: its scale and seed too, so W&B groups seeds of one row
-            tags += [f"scale:{cfg.table.scale}", f"seed:{cfg.seed}"]
-        return [WandbMirror(cfg.logger, run_dir, config, name=cfg.name, tags=tags)]
-    raise UserError(f"unknown logger '{cfg.logger.name}'; use logger=wandb or logger=none")
+
+def build_mirrors(cfg: DictConfig, run_dir: Path, config: dict[str, Any]) -> list[MetricsMirror]:
+    """The loggers of ``cfg.logger`` (none, one or several: ``logger=[wandb,mlflow]``), each mirroring the
+    record; imported only when used."""
+    import importlib
+
+    loggers = cfg.get("logger") or {}
+    unknown = sorted(set(loggers) - set(MIRRORS))
+    if unknown:
+        raise UserError(f"unknown logger(s) {unknown}; use logger=wandb, mlflow, none or a list of them")
+    mirrors = []
+    for name, settings in loggers.items():
+        module, cls = MIRRORS[name]
+        mirror = getattr(importlib.import_module(module), cls)
+        mirrors.append(mirror(settings, run_dir, config, name=cfg.name, tags=run_tags(config)))
+    return mirrors
 
 
 def named_after(run_dir: Path, configured: str, prepared: str) -> Path:
@@ -69,7 +77,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         preparation_error = e
     world = distributed.init_distributed(cfg.trainer.device)
     config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    seed_everything(cfg.seed + world.rank)  # every process its own augmentation; DDP shares process 0's init
+    if preparation_error is None:  # every process its own augmentation; DDP shares process 0's init
+        seed_everything(cfg.seed + world.rank)
     mirrors = build_mirrors(cfg, run_dir, config) if world.is_main and preparation_error is None else []
     record = RunRecord(run_dir, config, mirrors, writes=world.is_main)
     try:

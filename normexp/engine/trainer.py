@@ -156,6 +156,9 @@ class Trainer:
         self.precision = Precision(cfg.amp, self.device)
         self.progress = show_progress(cfg.progress) and self.dist.is_main
         model = model.to(self.device)
+        self.channels_last = cfg.channels_last
+        if self.channels_last:  # NHWC activations: faster convolutions on GPUs (timm's --channels-last)
+            model = model.to(memory_format=torch.channels_last)
         if self.dist.enabled and cfg.sync_bn and self.device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BN statistics over the global batch
         self.module = model  # the bare model: EMA, checkpoints, evaluation
@@ -164,6 +167,8 @@ class Trainer:
             self.model = DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=cfg.find_unused_parameters)
+        if cfg.compile:  # the training step's graph; evaluation and EMA use the module as it is
+            self.model = torch.compile(self.model)
 
         self.accum_steps = self.resolve_accumulation()
         sampler = data.train.sampler
@@ -283,6 +288,8 @@ class Trainer:
         for images, targets in bar:
             last_micro = (self.batch + 1) % self.accum_steps == 0
             images, targets = to_device(images, self.device), to_device(targets, self.device)
+            if self.channels_last and isinstance(images, torch.Tensor) and images.dim() == 4:
+                images = images.contiguous(memory_format=torch.channels_last)
             sync = contextlib.nullcontext() if last_micro or not self.dist.enabled else self.model.no_sync()
             with sync:
                 loss = self.compute_loss(images, targets)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,16 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import UserError
 from ..tracking.provenance import config_hash
+from ..tracking.records import output_root
 from .spec import Point, Scale, TableSpec, expand_blocks
 
 log = logging.getLogger(__name__)
 
 DONE = ("completed", "diverged")  # statuses that are results: such a run is never repeated
 ComposeFn = Callable[[list[str]], DictConfig]
-
-
-def output_root() -> Path:
-    return Path(os.environ.get("NORMEXP_OUTPUT_DIR", "outputs"))
 
 
 def tables_root(root: Path | None = None) -> Path:

@@ -144,6 +144,30 @@ class RunRecord:
         return self.summary
 
 
+def output_root() -> Path:
+    """Where run records go: ``$NORMEXP_OUTPUT_DIR``, else ``outputs`` (as configs/train.yaml says)."""
+    return Path(os.environ.get("NORMEXP_OUTPUT_DIR", "outputs"))
+
+
+def run_labels(config: dict[str, Any]) -> dict[str, Any]:
+    """What every mirror labels a run with: backbone, norm, task, data, seed, and its table and scale."""
+    labels = {key: (config.get(key) or {}).get("name") for key in ("backbone", "norm", "task", "data")}
+    labels["seed"] = config.get("seed")
+    table = config.get("table") or {}
+    labels.update({"table": table.get("id"), "scale": table.get("scale")})
+    return {k: v for k, v in labels.items() if v is not None}
+
+
+def run_tags(config: dict[str, Any]) -> list[str]:
+    """W&B-style tags: the labels' values (a table's seed and scale as ``seed:<n>``, ``scale:<s>``) and the
+    config's own ``tags``."""
+    labels = run_labels(config)
+    tags = [str(labels[k]) for k in ("backbone", "norm", "task", "data") if k in labels]
+    if "table" in labels:  # a table's run: its scale and seed too, so the runs table can group seeds of a row
+        tags += [f"scale:{labels['scale']}", f"seed:{labels['seed']}"]
+    return list(dict.fromkeys([*tags, *(str(t) for t in config.get("tags") or [])]))
+
+
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(run_dir) / "summary.json").read_text())
 
