@@ -307,10 +307,10 @@ class Trainer:
             if self.cfg.checkpoint_interval and self.update % self.cfg.checkpoint_interval == 0:
                 self.check_divergence()
                 self.save()
-            if self.stop.received is not None:
+            if self.stop_requested():
                 self.check_divergence()
                 self.save()
-                raise Interrupted(self.stop.received, self.update, self.stop.hand_over)
+                raise Interrupted(self.stop.received or signal.SIGTERM, self.update, self.stop.hand_over)
         self.check_divergence()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -340,6 +340,16 @@ class Trainer:
             images, targets = self.mixup(images, targets)
         with self.precision.autocast():
             return self.train_loss(self.model(images), targets)
+
+    def stop_requested(self) -> bool:
+        """Whether a stop signal arrived: at once for one process; in a distributed job the processes agree
+        every ``log_interval`` updates (one small collective then, none per update)."""
+        if not self.dist.enabled:
+            return self.stop.received is not None
+        if self.update % max(self.cfg.log_interval, 1):
+            return False
+        flag = torch.tensor([float(self.stop.received is not None)], device=self.device)
+        return bool(distributed.all_reduce_sum(flag).item())
 
     # ---------------------------------------------------------------- divergence, without a sync per step
     def _new_window(self) -> dict[str, torch.Tensor]:
@@ -411,10 +421,12 @@ class Trainer:
             "ema": self.ema.module.state_dict() if self.ema is not None else None,
             "scaler": self.precision.scaler.state_dict() if self.precision.scaler is not None else None,
             "metrics": self.metrics,
-            "epoch_loss": self.epoch_loss.cpu(), "epoch_seen": self.epoch_seen,
             "train_images": self.train_images, "train_seconds": self.train_seconds,
             "config": self.record.config,
-            "rng": distributed.all_gather_objects(rng_state()),  # every process's, by rank
+            # what each process holds alone, by rank: RNG states, its share of the epoch's loss, the window
+            "processes": distributed.all_gather_objects({
+                "rng": rng_state(), "epoch_loss": self.epoch_loss.cpu(), "epoch_seen": self.epoch_seen,
+                "window": {k: v.cpu() for k, v in self._window.items()}}),
         }
 
     def save(self) -> None:
@@ -450,14 +462,21 @@ class Trainer:
         # the schedule comes from the current config (as timm does), so a resumed run may extend epochs
         self.scheduler.step_update(self.update)
         self.metrics = state.get("metrics") or self.metrics
-        self.epoch_loss = state.get("epoch_loss", self.epoch_loss).to(self.device)
-        self.epoch_seen = state.get("epoch_seen", 0)
         self.train_images, self.train_seconds = state.get("train_images", 0), state.get("train_seconds", 0.0)
-        states = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
-        if len(states) == self.dist.world_size:
-            set_rng_state(states[self.dist.rank])
+        # checkpoints before "processes" held one RNG state (and only at epoch ends)
+        processes = state.get("processes") or [{"rng": state["rng"]}]
+        if len(processes) == self.dist.world_size:
+            mine = processes[self.dist.rank]
+            set_rng_state(mine["rng"])
+            self.epoch_loss = mine.get("epoch_loss", self.epoch_loss).to(self.device)
+            self.epoch_seen = mine.get("epoch_seen", 0)
+            if "window" in mine:
+                self._window = {k: v.to(self.device) for k, v in mine["window"].items()}
+        elif self.batch:
+            raise UserError(f"checkpoint '{source}' stopped mid-epoch with {len(processes)} processes: "
+                            f"resume it with {len(processes)} (this job has {self.dist.world_size})")
         else:
-            log.warning("checkpoint from %d processes, resumed on %d: RNG streams restart", len(states),
+            log.warning("checkpoint from %d processes, resumed on %d: RNG streams restart", len(processes),
                         self.dist.world_size)
         self.record.restore_rows(self.update)
         log.info("resumed from %s at epoch %d, update %d", source, self.epoch, self.update)

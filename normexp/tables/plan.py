@@ -128,13 +128,14 @@ class TablePlan:
         marks = [f"+table.id={self.spec.id}", f"+table.scale={self.scale.name}"]
         marks += [f"+table.row.{k}={_override_value(v)}" for k, v in point.labels.items()]
         where = table_dir(self.spec.id, self.scale.name, root)
-        return [*run.overrides, *marks, f"hydra.sweep.dir={where}", f"hydra.sweep.subdir={run.dir_name}"]
+        return [*run.overrides, *marks, f"hydra.sweep.dir={_override_value(where)}",
+                f"hydra.sweep.subdir={_override_value(run.dir_name)}"]
 
 
 def _override_value(value: Any) -> str:
     """A label as a Hydra override value (quoted unless it is a plain word or number)."""
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-    plain = text.replace("_", "").replace("-", "").replace(".", "").isalnum()
+    plain = text.replace("_", "").replace("-", "").replace(".", "").replace("/", "").isalnum()
     return text if plain else "'" + text.replace("'", "\\'") + "'"
 
 

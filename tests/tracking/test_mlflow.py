@@ -38,7 +38,8 @@ def server(tmp_path_factory):
     where = tmp_path_factory.mktemp("mlflow")
     port = free_port()
     command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-               f"sqlite:///{where / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+               f"sqlite:///{where / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port),
+               "--workers", "1"]
     process = subprocess.Popen(command, cwd=where, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
