@@ -80,9 +80,11 @@ class Trainer:
             raise UserError("the training set is smaller than one batch: lower data.batch_size")
         warmup_epochs = cfg.warmup_iters / self.updates_per_epoch if cfg.warmup_iters else cfg.warmup_epochs
         milestones = {"decay_milestones": tuple(cfg.decay_milestones)} if cfg.decay_milestones else {}
+        # lr_scale_warmup_min: false keeps warmup_lr and min_lr absolute (DTN's train.py scales only the peak)
+        floor_lr = self.scaled_lr if cfg.get("lr_scale_warmup_min", True) else float
         self.scheduler, _ = create_scheduler_v2(
             self.optimizer, sched=cfg.sched, num_epochs=cfg.epochs, warmup_epochs=warmup_epochs,
-            warmup_lr=self.scaled_lr(cfg.warmup_lr), min_lr=self.scaled_lr(cfg.min_lr),
+            warmup_lr=floor_lr(cfg.warmup_lr), min_lr=floor_lr(cfg.min_lr),
             decay_rate=cfg.decay_rate, step_on_epochs=False, updates_per_epoch=self.updates_per_epoch,
             **milestones,
         )
