@@ -138,6 +138,8 @@ class CocoSchema(LoaderFields):
     mean: list[float] = _f([0.485, 0.456, 0.406])
     std: list[float] = _f([0.229, 0.224, 0.225])
     hflip: float = _f(0.5, **rng(0, 1))
+    filter_empty_gt: bool = True
+    min_image_size: int = _f(32, **rng(0))
 
 
 @dataclass

@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import CONFIG_DIR, compose_cfg, run_cli
 from omegaconf import OmegaConf
+
+from normexp.models import build_backbone
 
 GROUPS = ("backbone", "norm", "task", "data", "logger", "trainer", "experiment")
 
@@ -52,13 +55,76 @@ def test_deit_recipe_values():
 
 
 def test_dtn_recipe_values():
+    """wqshao126/DTN train.py: DeiT's recipe at global batch 1024, only the peak lr scaled."""
     cfg = compose_cfg("experiment=dtn_imagenet")
     t = cfg.trainer
-    assert (cfg.backbone.name, cfg.norm.name, cfg.backbone.dtn_blocks) == ("vit_small_star", "dtn", 10)
+    assert (cfg.backbone.name, cfg.norm.name, cfg.backbone.dtn_blocks) == ("vit_small_dtn", "dtn", 10)
     assert (t.epochs, t.lr, t.lr_base_size, t.weight_decay, t.warmup_epochs) == (300, 5e-4, 512, 0.05, 5)
+    assert (t.global_batch, cfg.data.aug_repeats) == (1024, 3)
+    assert (t.lr_scale_warmup_min, t.warmup_lr, t.min_lr) == (False, 1e-6, 1e-5)  # absolute
     assert (t.mixup.mixup_alpha, t.mixup.cutmix_alpha) == (0, 0)
-    assert (cfg.data.reprob, cfg.data.color_jitter) == (0, 0.4)
+    assert (cfg.data.reprob, cfg.data.color_jitter, cfg.seed, t.amp) == (0, 0.4, 42, None)
     assert t.ema.enabled and t.best_metric == "ema/val/top1" and cfg.backbone.drop_path_rate == 0.1
+    assert compose_cfg("experiment=dtn_imagenet", "norm=ln").norm.eps == 1e-5  # the DTN code's LN
+    assert compose_cfg("experiment=dtn_imagenet", "backbone=vit_base_dtn").backbone.name == "vit_base_dtn"
+
+
+def test_dtn_pvt_recipe_values():
+    """wqshao126/DTN models/pvt_norm.py + train.py on top of dtn_imagenet."""
+    cfg = compose_cfg("experiment=dtn_pvt_imagenet", "backbone=pvt_tiny")
+    b = cfg.backbone
+    assert (list(b.num_heads), b.dtn_stages, b.decay_pos_embed) == ([4, 4, 5, 8], 3, True)
+    assert b.drop_path_rate == 0.1 and cfg.trainer.global_batch == 1024
+    assert (cfg.data.crop_pct, cfg.norm.name, cfg.norm.pool_size) == (0.9, "dtn", 14)
+    assert build_backbone(b, cfg.norm).no_weight_decay() == {"cls_token"}  # pos_embed{s} decay
+
+
+# DyT App. A / jiachenzhu/DyT README, per model: drop path, AdamW betas
+DYT_MODELS = {"vit_base": (0.1, [0.9, 0.999]), "vit_large": (0.4, [0.9, 0.95]),
+              "convnext_base": (0.5, [0.9, 0.999]), "convnext_large": (0.5, [0.9, 0.999])}
+
+
+@pytest.mark.parametrize("backbone", sorted(DYT_MODELS))
+def test_dyt_recipe_values(backbone):
+    cfg = compose_cfg("experiment=dyt_imagenet", f"backbone={backbone}")
+    t, d = cfg.trainer, cfg.data
+    assert (t.opt, t.lr, t.lr_base_size, t.global_batch, t.weight_decay) == ("adamw", 4e-3, 4096, 4096, 0.05)
+    assert (t.epochs, t.warmup_epochs, t.warmup_lr, t.min_lr) == (300, 20, 0, 1e-6)
+    assert not t.lr_scale_warmup_min  # ConvNeXt's main.py: only lr is "for total batch size 4096"
+    assert (t.ema.enabled, t.ema.decay, t.amp, t.clip_grad, t.smoothing) == (True, 0.9999, None, None, 0.1)
+    mixup = t.mixup
+    assert (mixup.mixup_alpha, mixup.cutmix_alpha, mixup.prob, mixup.switch_prob) == (0.8, 1.0, 1.0, 0.5)
+    assert (d.auto_augment, d.reprob, d.aug_repeats, d.color_jitter, d.crop_pct) == \
+        ("rand-m9-mstd0.5-inc1", 0.25, 0, 0.4, 0.875)
+    assert cfg.norm.name == "dyt" and cfg.backbone.global_pool == "avg"
+    assert (cfg.backbone.drop_path_rate, list(t.betas)) == DYT_MODELS[backbone]
+    with torch.device("meta"):  # builds as configured: ViT with fc_norm after pooling, DyT in every slot
+        model = build_backbone(cfg.backbone, cfg.norm)
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+    if backbone.startswith("vit"):
+        assert type(model.fc_norm).__name__ == "DyT" and isinstance(model.norm, torch.nn.Identity)
+
+
+# global batch and repeated augmentation of each paper's recipe (its main.py / launch scripts)
+RECIPE_BATCH = {"deit_imagenet": (1024, 3), "dtn_imagenet": (1024, 3), "dtn_pvt_imagenet": (1024, 3),
+                "pvt_imagenet": (1024, 3), "levit_imagenet": (2048, 3), "swin_imagenet": (1024, 0),
+                "t2t_imagenet": (512, 0), "dyt_imagenet": (4096, 0), "retinanet_pvt_1x": (16, None),
+                "mask_rcnn_pvt_1x": (16, None), "mask_rcnn_swin_1x": (16, None)}
+
+
+def test_every_recipe_states_its_global_batch():
+    assert set(RECIPE_BATCH) == set(options("experiment"))
+    for recipe, (batch, repeats) in RECIPE_BATCH.items():
+        cfg = compose_cfg(f"experiment={recipe}")
+        assert cfg.trainer.global_batch == batch, recipe
+        assert cfg.data.get("aug_repeats") == repeats, recipe
+    assert compose_cfg().trainer.global_batch is None and compose_cfg("data=imagenet").data.aug_repeats == 0
+
+
+def test_deit_based_recipes_scale_only_the_peak_lr():
+    for recipe in ("deit_imagenet", "dtn_imagenet", "pvt_imagenet", "levit_imagenet"):
+        assert not compose_cfg(f"experiment={recipe}").trainer.lr_scale_warmup_min, recipe
+    assert compose_cfg("experiment=swin_imagenet").trainer.lr_scale_warmup_min  # Swin scales all three
 
 
 def test_cfg_job_prints_the_config():

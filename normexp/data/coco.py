@@ -4,8 +4,13 @@ Layout: ``<root>/annotations/instances_<split>.json`` and ``<root>/<split>/<file
 checked field by field before use (a malformed one stops the run with one line naming the annotation and the
 field). Items are ``(image, target)``: the image as float RGB in [0, 1] (the detector resizes and normalises
 it), the target with ``boxes`` (x0, y0, x1, y1), ``labels`` (contiguous 1..K; 0 is background), ``masks``
-(with ``masks=True``) and ``image_id``. Crowd regions and degenerate boxes are not training targets; the
-evaluator still sees them in the ground truth, as COCOeval requires.
+(with ``masks=True``) and ``image_id``. Crowd regions and degenerate boxes (width or height below 1 px, area
+not positive) are not training targets; the evaluator still sees them in the ground truth, as COCOeval
+requires.
+
+Training sets are filtered as MMDetection 2.x's ``CocoDataset`` filters them (``_filter_imgs``, the papers'
+detection code): images narrower or shorter than ``min_image_size`` (32) px are dropped, and with
+``filter_empty_gt`` so are images without any annotation (crowd ones count as annotations).
 """
 
 from __future__ import annotations
@@ -129,12 +134,19 @@ def load_coco(path: Path, masks: bool) -> COCO:
 
 
 class CocoDetection(Dataset):
-    """One split of a COCO tree; ``hflip``: probability of a horizontal flip (training)."""
+    """One split of a COCO tree; ``hflip``: probability of a horizontal flip (training).
 
-    def __init__(self, root: str | Path, split: str, masks: bool, hflip: float = 0.0) -> None:
+    ``filter_empty_gt`` / ``min_image_size``: leave out images without annotations / smaller than that
+    (training sets, see the module docstring); evaluation sets keep every image.
+    """
+
+    def __init__(self, root: str | Path, split: str, masks: bool, hflip: float = 0.0,
+                 filter_empty_gt: bool = False, min_image_size: int = 0) -> None:
         self.folder = Path(root) / split
         self.coco = load_coco(annotation_path(root, split), masks)
-        self.image_ids = sorted(self.coco.imgs)
+        self.image_ids = [i for i in sorted(self.coco.imgs)
+                          if min(self.coco.imgs[i]["width"], self.coco.imgs[i]["height"]) >= min_image_size
+                          and not (filter_empty_gt and not self.coco.imgToAnns[i])]
         self.category_ids = sorted(self.coco.cats)
         self.label_of = {cat: i + 1 for i, cat in enumerate(self.category_ids)}
         self.masks, self.hflip = masks, hflip
@@ -148,7 +160,7 @@ class CocoDetection(Dataset):
         with Image.open(self.folder / info["file_name"]) as f:
             image = torch.from_numpy(np.asarray(f.convert("RGB"), dtype=np.float32) / 255).permute(2, 0, 1)
         anns = [a for a in self.coco.imgToAnns[image_id]
-                if not a["iscrowd"] and a["bbox"][2] >= 1 and a["bbox"][3] >= 1]
+                if not a["iscrowd"] and a["bbox"][2] >= 1 and a["bbox"][3] >= 1 and a["area"] > 0]
         if self.masks:  # an instance without a drawable mask is no Mask R-CNN target
             anns = [m for m in map(mask_annotation, anns) if m is not None]
         boxes = torch.tensor([[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in anns)],
@@ -198,7 +210,8 @@ def detection_root(cfg: Any) -> Path:
 def build_detection_data(cfg: Any, seed: int, masks: bool) -> DetectionData:
     root = detection_root(cfg)
     train_split, val_split = cfg.train_split, cfg.val_split
-    train = CocoDetection(root, train_split, masks, hflip=cfg.hflip)
+    train = CocoDetection(root, train_split, masks, hflip=cfg.hflip, filter_empty_gt=cfg.filter_empty_gt,
+                          min_image_size=cfg.min_image_size)
     val = CocoDetection(root, val_split, masks)
     if train.category_ids != val.category_ids:
         raise UserError(f"'{annotation_path(root, train_split)}' and '{annotation_path(root, val_split)}' "

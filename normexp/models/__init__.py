@@ -1,6 +1,6 @@
 """Backbones, one file per family, behind one registry."""
 
-from . import levit, pvt, pvt_v2, swin, t2t, vit  # noqa: F401  (importing registers the models)
+from . import convnext, levit, pvt, pvt_v2, swin, t2t, vit  # noqa: F401  (importing registers the models)
 from .build import build_backbone
 from .registry import create_model, list_models, register_model
 

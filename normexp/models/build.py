@@ -33,7 +33,9 @@ def build_backbone(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,
     """
     kwargs = as_dict(backbone_cfg)
     name = kwargs.pop("name")
-    kwargs.pop("norm_defaults", None)  # read by the norm configs through interpolation, not by the model
+    # suggestions read by the norm and trainer configs through interpolation, not by the model
+    kwargs.pop("norm_defaults", None)
+    kwargs.pop("trainer_defaults", None)
     dense_kwargs = kwargs.pop("dense", None) or {}
     if dense:
         kwargs.update(dense_kwargs)

@@ -1,20 +1,33 @@
-"""Detectors from torchvision over any normexp backbone: RetinaNet and Mask R-CNN, each with an FPN.
+"""Detectors from torchvision over any normexp backbone: RetinaNet and Mask R-CNN, each with an FPN, built to
+match the MMDetection 2.x configs the papers trained with (whai362/PVT ``detection/configs/_base_/models/
+retinanet_r50_fpn.py`` and ``mask_rcnn_r50_fpn.py``, mmdet 2.13; Swin's Mask R-CNN uses the same model
+config).
 
 The backbone (``body``, with whatever normalizer it was built with) gives ``features(x)``: NCHW maps at
-``feature_strides``. An FPN (``torchvision.ops.FeaturePyramidNetwork``, no norm, as mmdet's) turns the chosen
-levels into ``fpn_channels`` maps and adds the coarser ones:
+``feature_strides``. An FPN (``torchvision.ops.FeaturePyramidNetwork``: 1x1 laterals, nearest upsampling, 3x3
+outputs, no norm, as mmdet's; its convolutions re-initialised Xavier-uniform with zero bias, mmdet FPN's
+``init_cfg``) turns the chosen levels into ``fpn_channels`` maps and adds the coarser ones:
 
-- RetinaNet (Lin et al. 2017; the PVT paper's config): the three coarsest of four backbone levels (P3-P5 at
-  strides 8-32) plus P6 and P7 by stride-2 convolutions on C5 (mmdet ``add_extra_convs='on_input'``);
-  anchors ``scale * stride * 2^(k/3)``, k = 0, 1, 2, aspect ratios 0.5, 1, 2.
+- RetinaNet (Lin et al. 2017): the three coarsest of four backbone levels (P3-P5 at strides 8-32) plus P6 and
+  P7 by stride-2 3x3 convolutions, P6 on C5 and P7 on P6 without a ReLU between them (mmdet's
+  ``add_extra_convs='on_input'`` with its default ``relu_before_extra_convs=False``; torchvision's
+  ``LastLevelP6P7`` would take P5 when C5 is as wide as the FPN and applies a ReLU); anchors
+  ``scale * stride * 2^(k/3)``, k = 0, 1, 2 (octave base scale 4), aspect ratios 0.5, 1, 2, not rounded to
+  whole pixels (mmdet 2.x ``AnchorGenerator``; torchvision rounds them).
 - Mask R-CNN (He et al. 2017): all four levels (P2-P5) plus a max-pooled P6 for the RPN; RPN anchors
-  ``scale * stride``, ratios 0.5, 1, 2; RoIAlign 7x7 (boxes) and 14x14 (masks) over P2-P5; a box head of two
-  ``box_head_dim`` (1024) fully connected layers and a mask head of four 3x3 convolutions as wide as the FPN
-  (torchvision's and mmdet's heads at 256 channels).
+  ``scale * stride`` (scale 8), ratios 0.5, 1, 2; the RPN's low-quality matches need IoU >= 0.3 (mmdet's
+  ``min_pos_iou``; torchvision's matcher takes them at any IoU); RoIAlign 7x7 (boxes) and 14x14 (masks),
+  ``aligned=True`` and ``sampling_ratio=0`` as mmcv's, each RoI from level ``floor(log2(sqrt(wh) / 56))``
+  (mmdet's ``SingleRoIExtractor``, ``finest_scale=56``); a box head of two ``box_head_dim`` (1024) fully
+  connected layers (Xavier-uniform) with classifier / regressor initialised N(0, 0.01) / N(0, 0.001) (mmdet's
+  ``Shared2FCBBoxHead``) and a mask head of four 3x3 convolutions as wide as the FPN (torchvision's and
+  mmdet's heads at 256 channels).
 
-torchvision's ``GeneralizedRCNNTransform`` resizes (``min_size``/``max_size``), normalises and pads to a
-multiple of 32; NMS and RoIAlign are torchvision's compiled ops. Fixed-resolution backbones (LeViT) get
-every image resized to their ``img_size``.
+Thresholds, sample sizes and loss weights are torchvision's options and come from the config (the 1x
+recipes state mmdet's). torchvision's ``GeneralizedRCNNTransform`` resizes (``min_size``/``max_size``),
+normalises and pads to a multiple of 32; NMS and RoIAlign are torchvision's compiled ops. Fixed-resolution
+backbones (LeViT) get every image resized to their ``img_size``. What still differs from mmdet is listed in
+the README (*Detection: what differs from MMDetection*).
 """
 
 from __future__ import annotations
@@ -27,28 +40,107 @@ from typing import Any
 import torch
 from torch import nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
+from torchvision.models.detection._utils import Matcher
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
-from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign
-from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP6P7
+from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign, roi_align
+from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxPool
+
+from .base import Backbone
 
 DETECTORS = ("retinanet", "mask_rcnn")
-DEFAULT_ANCHOR_SCALE = {"retinanet": 4.0, "mask_rcnn": 8.0}  # torchvision's: 32 px at stride 8 / stride 4
+DEFAULT_ANCHOR_SCALE = {"retinanet": 4.0, "mask_rcnn": 8.0}  # mmdet's: 32 px at stride 8 / stride 4
+RPN_MIN_POS_IOU = 0.3  # mmdet mask_rcnn_r50_fpn.py train_cfg.rpn.assigner.min_pos_iou
+FINEST_SCALE = 56  # mmdet SingleRoIExtractor: RoIs below 112 px go to the finest level
+
+
+def xavier_init(module: nn.Module) -> None:
+    """Xavier-uniform weights and zero bias for every conv / linear in ``module`` (mmdet's FPN init)."""
+    for m in module.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+class ExtraLevelsP6P7(ExtraFPNBlock):
+    """RetinaNet's P6 = conv3x3/2(C5) and P7 = conv3x3/2(P6), no ReLU in between (mmdet's 'on_input')."""
+
+    def __init__(self, in_channels: int, out_channels: int) -> None:
+        super().__init__()
+        self.p6 = nn.Conv2d(in_channels, out_channels, 3, stride=2, padding=1)
+        self.p7 = nn.Conv2d(out_channels, out_channels, 3, stride=2, padding=1)
+
+    def forward(self, p: list[torch.Tensor], c: list[torch.Tensor],
+                names: list[str]) -> tuple[list[torch.Tensor], list[str]]:
+        p6 = self.p6(c[-1])
+        return [*p, p6, self.p7(p6)], [*names, "p6", "p7"]
+
+
+class UnroundedAnchorGenerator(AnchorGenerator):
+    """torchvision's anchors without rounding the cell anchors to whole pixels (mmdet 2.x's)."""
+
+    def generate_anchors(self, scales: list[int], aspect_ratios: list[float],
+                         dtype: torch.dtype = torch.float32,
+                         device: torch.device | None = None) -> torch.Tensor:
+        scales = torch.as_tensor(scales, dtype=dtype, device=device)
+        h_ratios = torch.sqrt(torch.as_tensor(aspect_ratios, dtype=dtype, device=device))
+        ws = (scales[None, :] / h_ratios[:, None]).view(-1)
+        hs = (h_ratios[:, None] * scales[None, :]).view(-1)
+        return torch.stack([-ws, -hs, ws, hs], dim=1) / 2
+
+
+class MinIoUMatcher(Matcher):
+    """torchvision's matcher with mmdet's ``min_pos_iou``: a ground truth's best predictions become its
+    low-quality matches only if their IoU reaches ``min_pos_iou`` (mmdet ``MaxIoUAssigner``)."""
+
+    def __init__(self, high_threshold: float, low_threshold: float, min_pos_iou: float) -> None:
+        super().__init__(high_threshold, low_threshold, allow_low_quality_matches=True)
+        self.min_pos_iou = min_pos_iou
+
+    def set_low_quality_matches_(self, matches: torch.Tensor, all_matches: torch.Tensor,
+                                 match_quality_matrix: torch.Tensor) -> None:
+        highest = match_quality_matrix.max(dim=1, keepdim=True).values
+        _, preds = torch.where((match_quality_matrix == highest) & (highest >= self.min_pos_iou))
+        matches[preds] = all_matches[preds]
+
+
+class AlignedRoIAlign(MultiScaleRoIAlign):
+    """mmdet's ``SingleRoIExtractor`` over mmcv's ``RoIAlign``: ``aligned=True`` (half-pixel offset;
+    torchvision's ``MultiScaleRoIAlign`` uses ``aligned=False``) and level ``floor(log2(sqrt(wh) / 56 +
+    1e-6))``,
+    clamped to the levels there are."""
+
+    def __init__(self, featmap_names: list[str], strides: Sequence[int], output_size: int,
+                 sampling_ratio: int = 0) -> None:
+        super().__init__(featmap_names, output_size, sampling_ratio)
+        self.strides = list(strides)
+
+    def forward(self, x: dict[str, torch.Tensor], boxes: list[torch.Tensor],
+                image_shapes: list[tuple[int, int]]) -> torch.Tensor:
+        features = [x[name] for name in self.featmap_names]
+        rois = torch.cat([torch.cat([torch.full_like(b[:, :1], i), b], dim=1) for i, b in enumerate(boxes)])
+        scale = torch.sqrt((rois[:, 3] - rois[:, 1]) * (rois[:, 4] - rois[:, 2]))
+        levels = torch.floor(torch.log2(scale / FINEST_SCALE + 1e-6)).clamp(0, len(features) - 1).long()
+        out = rois.new_zeros((len(rois), features[0].shape[1], *self.output_size))
+        for level, (feature, stride) in enumerate(zip(features, self.strides, strict=True)):
+            idx = torch.where(levels == level)[0]
+            out[idx] = roi_align(feature, rois[idx], self.output_size, spatial_scale=1 / stride,
+                                 sampling_ratio=self.sampling_ratio, aligned=True).to(out.dtype)
+        return out
 
 
 class BackboneFPN(nn.Module):
     """``body.features`` at ``levels`` -> FPN maps '0', '1', ... (+ extra levels); ``strides`` of each."""
 
-    def __init__(self, body: nn.Module, levels: Sequence[int], out_channels: int, extra: str) -> None:
+    def __init__(self, body: Backbone, levels: Sequence[int], out_channels: int, extra: str) -> None:
         super().__init__()
         self.body, self.levels, self.out_channels = body, list(levels), out_channels
         in_channels = [body.feature_channels[i] for i in self.levels]
         strides = [body.feature_strides[i] for i in self.levels]
         if extra == "p6p7":
-            extra_block = LastLevelP6P7(in_channels[-1], out_channels)
-            extra_block.use_P5 = False  # P6 from C5 whatever its width (mmdet's 'on_input'); torchvision
-            # would switch to P5 when C5 is as wide as the FPN (pvt_v2_b0: 256)
+            extra_block = ExtraLevelsP6P7(in_channels[-1], out_channels)
             strides += [strides[-1] * 2, strides[-1] * 4]
         elif extra == "maxpool":
             extra_block = LastLevelMaxPool()
@@ -56,6 +148,7 @@ class BackboneFPN(nn.Module):
         else:
             raise ValueError(f"extra must be 'p6p7' or 'maxpool', got {extra!r}")
         self.fpn = FeaturePyramidNetwork(in_channels, out_channels, extra_blocks=extra_block)
+        xavier_init(self.fpn)
         self.strides = strides
 
     def forward(self, x: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
@@ -81,57 +174,68 @@ def default_levels(detector: str, num_levels: int) -> list[int]:
     return list(range(num_levels))
 
 
-def build_detector(body: nn.Module, detector: str, num_classes: int, *, min_size: int | Sequence[int],
+def build_detector(body: Backbone, detector: str, num_classes: int, *, min_size: int | Sequence[int],
                    max_size: int,
                    image_mean: Sequence[float], image_std: Sequence[float], fpn_channels: int = 256,
                    levels: Sequence[int] | None = None, anchor_scale: float | None = None,
                    score_thresh: float = 0.05, detections_per_img: int = 100, box_head_dim: int = 1024,
+                   rpn_min_pos_iou: float | None = RPN_MIN_POS_IOU,
                    options: dict[str, Any] | None = None) -> nn.Module:
     """A torchvision detector with ``body`` as its backbone; ``num_classes`` includes the background.
 
-    ``options``: further keyword arguments of torchvision's ``RetinaNet`` / ``MaskRCNN`` (proposal counts).
+    ``options``: further keyword arguments of torchvision's ``RetinaNet`` / ``MaskRCNN`` (thresholds, proposal
+    and sample counts). ``rpn_min_pos_iou``: the lowest IoU of the RPN's low-quality matches (None: any).
     """
     if detector not in DETECTORS:
         raise ValueError(f"unknown detector '{detector}'; available: {', '.join(DETECTORS)}")
-    if not hasattr(body, "features"):
-        raise ValueError(f"{type(body).__name__} has no features(): it cannot feed a detector")
+    if not isinstance(body, Backbone) or not body.feature_strides:
+        raise ValueError(f"{type(body).__name__} offers no features() (a plain model needs pyramid_scales): "
+                         "it cannot feed a detector")
     check_options(detector, options or {})
     levels = list(levels) if levels is not None else default_levels(detector, len(body.feature_strides))
     backbone = BackboneFPN(body, levels, fpn_channels, "p6p7" if detector == "retinanet" else "maxpool")
     scale = anchor_scale or DEFAULT_ANCHOR_SCALE[detector]
-    # min_size: one size, or several drawn from per training batch (multi-scale; evaluation uses the last)
+    # min_size: one size, or several, one drawn per training image (multi-scale; evaluation uses the last)
     min_size = tuple(min_size) if isinstance(min_size, Sequence) else min_size
     common: dict[str, Any] = dict(min_size=min_size, max_size=max_size, image_mean=list(image_mean),
                                   image_std=list(image_std), **(options or {}))
-    fixed = getattr(body, "fixed_input_size", None)
-    if fixed is not None:
-        common["fixed_size"] = tuple(fixed)
+    if body.fixed_input_size is not None:
+        common["fixed_size"] = tuple(body.fixed_input_size)
     if detector == "retinanet":
         sizes = tuple(tuple(scale * s * 2 ** (k / 3) for k in range(3)) for s in backbone.strides)
-        anchors = AnchorGenerator(sizes, ((0.5, 1.0, 2.0),) * len(sizes))
+        anchors = UnroundedAnchorGenerator(sizes, ((0.5, 1.0, 2.0),) * len(sizes))
         model = RetinaNet(backbone, num_classes, anchor_generator=anchors, score_thresh=score_thresh,
                           detections_per_img=detections_per_img, **common)
     else:
         model = _mask_rcnn(backbone, num_classes, scale, len(levels), score_thresh, detections_per_img,
                            box_head_dim, common)
-    if hasattr(body, "no_weight_decay"):  # the optimizer factory reads it from the top-level model
-        names = {f"backbone.body.{name}" for name in body.no_weight_decay()}
-        model.no_weight_decay = lambda: names
+        if rpn_min_pos_iou is not None:
+            matcher = model.rpn.proposal_matcher
+            model.rpn.proposal_matcher = MinIoUMatcher(matcher.high_threshold, matcher.low_threshold,
+                                                       rpn_min_pos_iou)
+    names = {f"backbone.body.{name}" for name in body.no_weight_decay()}
+    model.no_weight_decay = lambda: names  # the optimizer factory reads it from the top-level model
     return model
 
 
 def _mask_rcnn(backbone: BackboneFPN, num_classes: int, scale: float, num_levels: int, score_thresh: float,
                detections_per_img: int, box_head_dim: int, common: dict[str, Any]) -> MaskRCNN:
     sizes = tuple((scale * s,) for s in backbone.strides)
-    anchors = AnchorGenerator(sizes, ((0.5, 1.0, 2.0),) * len(sizes))
+    anchors = UnroundedAnchorGenerator(sizes, ((0.5, 1.0, 2.0),) * len(sizes))
     names = [str(i) for i in range(num_levels)]
+    strides = backbone.strides[:num_levels]
     width = backbone.out_channels
+    box_head = TwoMLPHead(width * 7 * 7, box_head_dim)
+    box_predictor = FastRCNNPredictor(box_head_dim, num_classes)
+    xavier_init(box_head)  # mmdet Shared2FCBBoxHead / BBoxHead init
+    for layer, std in ((box_predictor.cls_score, 0.01), (box_predictor.bbox_pred, 0.001)):
+        nn.init.normal_(layer.weight, std=std)
+        nn.init.zeros_(layer.bias)
     return MaskRCNN(  # num_classes goes to the predictors
         backbone, None, rpn_anchor_generator=anchors, box_score_thresh=score_thresh,
-        box_detections_per_img=detections_per_img, box_head=TwoMLPHead(width * 7 * 7, box_head_dim),
-        box_predictor=FastRCNNPredictor(box_head_dim, num_classes),
+        box_detections_per_img=detections_per_img, box_head=box_head, box_predictor=box_predictor,
         mask_head=MaskRCNNHeads(width, [width] * 4, dilation=1),
         mask_predictor=MaskRCNNPredictor(width, width, num_classes),
-        box_roi_pool=MultiScaleRoIAlign(names, output_size=7, sampling_ratio=0),
-        mask_roi_pool=MultiScaleRoIAlign(names, output_size=14, sampling_ratio=0), **common,
+        box_roi_pool=AlignedRoIAlign(names, strides, output_size=7),
+        mask_roi_pool=AlignedRoIAlign(names, strides, output_size=14), **common,
     )

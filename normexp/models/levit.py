@@ -1,9 +1,9 @@
 """LeViT (Graham et al. 2021) on timm's ``Levit`` / ``LevitDistilled`` (linear mode).
 
-Sizes follow the official ``specification`` (params.md sec 5): C = 128_256_384 / 128_256_384 /
-192_288_384 / 256_384_512 / 384_512_768, key dim 16 / 16 / 32 / 32 / 32, heads 4_6_8 / 4_8_12 / 3_5_6 /
-4_6_8 / 6_9_12, depths 2_3_4 / 4_4_4 / 4_4_4 / 4_4_4 / 4_4_4, a stride-16 conv stem and stride-2
-attention subsampling between stages (stage grids 14, 7, 4 at 224 px).
+Sizes follow the official ``specification`` (facebookresearch/LeViT ``levit.py``; arXiv 2104.01136): C =
+128_256_384 / 128_256_384 / 192_288_384 / 256_384_512 / 384_512_768, key dim 16 / 16 / 32 / 32 / 32, heads
+4_6_8 / 4_8_12 / 3_5_6 / 4_6_8 / 6_9_12, depths 2_3_4 / 4_4_4 / 4_4_4 / 4_4_4 / 4_4_4, a stride-16 conv stem
+and stride-2 attention subsampling between stages (stage grids 14, 7, 4 at 224 px).
 
 **Norm slots.** LeViT has no LayerNorm: its normalizer is the BatchNorm after every conv and linear
 (official ``Conv2d_BN`` / ``Linear_BN``, timm ``ConvNorm`` / ``LinearNorm``), so ``norm=bn`` is LeViT as
@@ -38,9 +38,9 @@ divides the slot's channels (always for qkv, kv and q, laid out per head); LeViT
 all multiples of it (256 / 6, 288 / 5, 512 / 9), and there the largest divisor of the channel count below
 the head count is used (for DTN's per-head statistics and GroupNorm's groups).
 
-**Distillation head.** timm builds ``LevitDistilled`` (a second classifier ``head_dist``), which the
-published parameter counts include (params.md sec 5), so ``distilled=True`` is the default. Our trainer
-has no teacher: the model returns the average of the two heads in training and eval (timm's behaviour
+**Distillation head.** timm builds ``LevitDistilled`` (a second classifier ``head_dist``), which the published
+parameter counts include (facebookresearch/LeViT README model zoo), so ``distilled=True`` is the default. Our
+trainer has no teacher: the model returns the average of the two heads in training and eval (timm's behaviour
 with ``distilled_training=False``; LeViT's eval also averages them), so both heads learn from the label.
 ``distilled=False`` builds the single-head ``Levit``.
 
@@ -65,6 +65,7 @@ from timm.models.levit import ConvNorm, Levit, LevitDistilled, LevitDownsample, 
 from torch import nn
 
 from ..norms.layout import TokenLayout
+from .base import Backbone, NormContext
 from .registry import register_model
 
 
@@ -203,7 +204,7 @@ class _LeViTNorms:
         kv = name.startswith("downsample.attn_downsample.kv")
         return self.stage_layouts[stage - 1 if kv else stage]
 
-    def norm_context(self, name: str) -> dict[str, Any]:
+    def norm_context(self, name: str) -> NormContext:
         """Context for the norm slot ``name``: its block index, head count and token layout."""
         channels = self.get_submodule(name).num_features
         parts = name.split(".")
@@ -239,11 +240,11 @@ class _LeViTNorms:
         return maps
 
 
-class LeViT(_LeViTNorms, Levit):
+class LeViT(_LeViTNorms, Levit, Backbone):
     """Single-head LeViT (``distilled=False``)."""
 
 
-class LeViTDistilled(_LeViTNorms, LevitDistilled):
+class LeViTDistilled(_LeViTNorms, LevitDistilled, Backbone):
     """LeViT with the distillation head, averaged with the class head (timm's default build)."""
 
 

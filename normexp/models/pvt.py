@@ -1,9 +1,10 @@
-"""PVT v1, the Pyramid Vision Transformer (Wang et al., ICCV 2021), written from params.md sec 3 and sec 8.
+"""PVT v1, the Pyramid Vision Transformer (Wang et al., ICCV 2021, arXiv 2102.12122).
 
-timm has no PVT v1 (protocols.md 1.7), so this file builds it from the description of the official code
-(whai362/PVT, params.md 8.3). Module names follow the parts params.md 8.4 names (``patch_embed{s}``,
-``pos_embed{s}``, ``block{s}``, ``cls_token``, ``norm``, ``head``; ``attn.q/kv/proj/sr/norm``,
-``mlp.fc1/fc2``), meant to match the official state_dict (not checked: no checkpoint is reachable here).
+timm has no PVT v1 (only ``pvt_v2.py``), so this file builds it from the paper (Sec. 3, Table 1) and the
+official code's structure (whai362/PVT ``classification/pvt.py``). Module names follow that code's
+(``patch_embed{s}``, ``pos_embed{s}``, ``block{s}``, ``cls_token``, ``norm``, ``head``;
+``attn.q/kv/proj/sr/norm``, ``mlp.fc1/fc2``), meant to match the official state_dict (not checked: no
+checkpoint is reachable here).
 
 * 4 stages; stage i embeds non-overlapping patches (Conv2d kernel = stride = P_i, bias, then LayerNorm eps
   1e-5), adds a learned position embedding (resized bilinearly when the grid differs from the one built
@@ -18,9 +19,10 @@ timm has no PVT v1 (protocols.md 1.7), so this file builds it from the descripti
 * Init: Linear trunc-normal std 0.02 with zero bias, LayerNorm (1, 0), position embeddings and class token
   trunc-normal std 0.02, convolutions keep PyTorch's default init.
 
-Sizes (params.md 8.2): tiny 2-2-2-2, small 3-4-6-3, medium 3-4-18-3, large 3-8-27-3; C = 64/128/320/512,
-heads 1/2/5/8 (head dim 64), E = 8/8/4/4, R = 8/4/2/1. ``num_heads=(4, 4, 5, 8)`` gives the DTN code's
-PVT (dtn.md 1.5); the parameter count does not change with the head count.
+Sizes (paper Table 1; ``classification/configs/pvt/``): tiny 2-2-2-2, small 3-4-6-3, medium 3-4-18-3, large
+3-8-27-3; C = 64/128/320/512, heads 1/2/5/8 (head dim 64), E = 8/8/4/4, R = 8/4/2/1. ``num_heads=(4, 4, 5,
+8)`` gives the DTN code's PVT (wqshao126/DTN ``models/pvt_norm.py``); the parameter count does not change with
+the head count.
 
 Norm slots and what each sees (``norm_context``; one :class:`TokenLayout` per stage, its grid set by a
 forward hook on the stage's patch-embedding conv, so it follows the input size):
@@ -34,9 +36,10 @@ forward hook on the stage's patch-embedding conv, so it follows the input size):
 * ``norm`` (final): all stage-4 tokens, class token first.
 
 By default ``norm=<x>`` replaces every one of these slots. ``dtn_stages=k`` gives the DTN code's placement
-(dtn.md 1.5, with k = 3): only norm1/norm2 of the blocks of stages 1..k take the configured normalizer;
+(``pvt_norm.py``, with k = 3): only norm1/norm2 of the blocks of stages 1..k take the configured normalizer;
 the later stages, the sr-branch norms, the patch-embedding norms and the final norm keep LayerNorm.
-The DTN code's model is therefore ``num_heads=(4, 4, 5, 8), dtn_stages=3``.
+The DTN code's model is therefore ``num_heads=(4, 4, 5, 8), dtn_stages=3, decay_pos_embed=True`` (its
+``no_weight_decay()`` exempts the class token only; ours also exempts the position embeddings).
 
 ``pvt_micro`` is the CPU-demo member: the same architecture at 16 px with a 1 px stem patch (strides 1, 2, 4,
 8 -> grids 16x16, 8x8, 4x4, 2x2 + class token; with a 2 px stem the last grid would be 1x1 and the
@@ -56,6 +59,7 @@ from timm.layers import DropPath, Mlp, to_2tuple, trunc_normal_, use_fused_attn
 from torch import nn
 
 from ..norms.layout import TokenLayout
+from .base import Backbone, NormContext
 from .registry import register_model
 
 
@@ -89,7 +93,7 @@ class PatchEmbed(nn.Module):
 
 
 class SpatialReductionAttention(nn.Module):
-    """SRA (params.md 8.3): full-resolution queries; keys/values from the grid reduced R x R by a conv."""
+    """SRA (paper Sec. 3.3): full-resolution queries; keys/values from the grid reduced R x R by a conv."""
 
     def __init__(self, dim: int, num_heads: int, sr_ratio: int = 1, qkv_bias: bool = True,
                  attn_drop: float = 0.0, proj_drop: float = 0.0) -> None:
@@ -141,8 +145,9 @@ class Block(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
-class PyramidVisionTransformer(nn.Module):
-    """PVT v1 (params.md 8). ``features(x)`` returns the 4 stage maps (NCHW, strides ``feature_strides``)."""
+class PyramidVisionTransformer(Backbone):
+    """PVT v1 (see the module docstring). ``features(x)`` returns the 4 stage maps (NCHW, strides
+    ``feature_strides``)."""
 
     def __init__(
         self,
@@ -161,6 +166,7 @@ class PyramidVisionTransformer(nn.Module):
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         dtn_stages: int | None = None,
+        decay_pos_embed: bool = False,
     ) -> None:
         super().__init__()
         num_stages = len(depths)
@@ -178,6 +184,7 @@ class PyramidVisionTransformer(nn.Module):
         self.num_features = self.head_hidden_size = embed_dims[-1]
         self.num_prefix_tokens = 1
         self.dtn_stages = dtn_stages
+        self.decay_pos_embed = decay_pos_embed
 
         # stage grids at img_size: the position embeddings are built for these
         patch_sizes = (patch_size,) + (2,) * (num_stages - 1)
@@ -225,7 +232,7 @@ class PyramidVisionTransformer(nn.Module):
             for blk in getattr(self, f"block{i + 1}"):
                 if blk.attn.sr_ratio > 1:
                     blk.attn.sr.register_forward_hook(GridHook(self.sr_layouts[i]))
-        if dtn_stages is not None:  # the DTN code's placement (dtn.md 1.5)
+        if dtn_stages is not None:  # the DTN code's placement (pvt_norm.py)
             self.norm_keep = ["patch_embed*", "block*.attn.norm", "norm",
                               *(f"block{s}.*" for s in range(dtn_stages + 1, num_stages + 1))]
 
@@ -241,6 +248,8 @@ class PyramidVisionTransformer(nn.Module):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
+        if self.decay_pos_embed:  # the DTN code's PVT exempts the class token only
+            return {"cls_token"}
         return {"cls_token", *(f"pos_embed{i + 1}" for i in range(self.num_stages))}
 
     def get_classifier(self) -> nn.Module:
@@ -251,7 +260,7 @@ class PyramidVisionTransformer(nn.Module):
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
     # ---------------------------------------------------------------- norm slots
-    def norm_context(self, name: str) -> dict[str, Any]:
+    def norm_context(self, name: str) -> NormContext:
         """Block index, head count and token layout of the norm slot ``name`` (see the module docstring)."""
         last = self.num_stages - 1
         if m := re.match(r"block(\d+)\.(\d+)\.", name):

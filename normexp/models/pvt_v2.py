@@ -1,6 +1,6 @@
 """PVT v2 (Wang et al., CVMJ 2022) on timm's ``PyramidVisionTransformerV2``.
 
-timm's definitions give the official parameter counts (params.md 4: B0 3.7M ... B5 82.0M, README figures;
+timm's definitions give the official parameter counts (whai362/PVT README, branch v2: B0 3.7M ... B5 82.0M;
 the paper's 3.4M / 13.1M for B0 / B1 predate a README fix). Sizes: B0 C = 32/64/160/256, B1-B5
 C = 64/128/320/512; heads 1/2/5/8; R = 8/4/2/1; E = 8/8/4/4 (B5: 4/4/4/4); depths B0/B1 2-2-2-2, B2 3-4-6-3,
 B3 3-4-18-3, B4 3-8-27-3, B5 3-6-40-3; B2-Li = B2 with linear SRA (7x7 average pool + 1x1 conv).
@@ -39,11 +39,12 @@ from timm.models.pvt_v2 import OverlapPatchEmbed, PyramidVisionTransformerV2
 from torch import nn
 
 from ..norms.layout import TokenLayout
+from .base import Backbone, NormContext
 from .pvt import GridHook
 from .registry import register_model
 
 
-class PVTv2(PyramidVisionTransformerV2):
+class PVTv2(PyramidVisionTransformerV2, Backbone):
     """timm's PVT v2 that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
     def __init__(self, img_size: int | tuple[int, int] = 224, stem_patch_size: int = 7, stem_stride: int = 4,
@@ -71,7 +72,7 @@ class PVTv2(PyramidVisionTransformerV2):
                 if blk.attn.sr is not None:
                     blk.attn.sr.register_forward_hook(GridHook(self.sr_layouts[i]))
 
-    def norm_context(self, name: str) -> dict[str, Any]:
+    def norm_context(self, name: str) -> NormContext:
         """Block index, head count and token layout of the norm slot ``name`` (see the module docstring)."""
         if name.startswith("patch_embed."):
             stage, block, layout = 0, None, self.stage_layouts[0]

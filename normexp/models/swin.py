@@ -1,10 +1,11 @@
 """Swin Transformer (Liu et al. 2021) on timm's ``SwinTransformer``.
 
-Sizes follow the official configs (params.md sec 2): patch 4, window 7, embed 96 / 96 / 128, depths
-2-2-6-2 / 2-2-18-2 / 2-2-18-2, heads 3-6-12-24 / 3-6-12-24 / 4-8-16-32. ``swin_micro`` is the same
-architecture scaled down for the CPU demo: 16 px input, patch 1, window 4, 24 wide, depths 1-1-2-1,
-heads 1-2-4-8 (stage grids 16, 8, 4, 2: window 4 divides the first three, timm shrinks it to the 2x2
-last stage, and no stage is 1x1 -- a 1x1 stage leaves instance/token statistics a single token).
+Sizes follow the official configs (microsoft/Swin-Transformer ``configs/swin/*.yaml``; arXiv 2103.14030):
+patch 4, window 7, embed 96 / 96 / 128, depths 2-2-6-2 / 2-2-18-2 / 2-2-18-2, heads 3-6-12-24 / 3-6-12-24 /
+4-8-16-32. ``swin_micro`` is the same architecture scaled down for the CPU demo: 16 px input, patch 1, window
+4, 24 wide, depths 1-1-2-1, heads 1-2-4-8 (stage grids 16, 8, 4, 2: window 4 divides the first three, timm
+shrinks it to the 2x2 last stage, and no stage is 1x1 -- a 1x1 stage leaves instance/token statistics a single
+token).
 
 Norm slots and what they see (timm 1.0.31 ``swin_transformer.py``):
 
@@ -38,6 +39,7 @@ from timm.models.swin_transformer import SwinTransformer
 from torch import nn
 
 from ..norms.layout import TokenLayout
+from .base import Backbone, NormContext
 from .registry import register_model
 
 
@@ -54,7 +56,7 @@ class _GridHook:
         self.layout.set_grid(output.shape[1], output.shape[2])
 
 
-class Swin(SwinTransformer):
+class Swin(SwinTransformer, Backbone):
     """timm's Swin that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
     def __init__(self, feature_norms: bool = False, **kwargs: Any) -> None:
@@ -66,7 +68,6 @@ class Swin(SwinTransformer):
             stage.downsample.register_forward_hook(_GridHook(layout))
             self._block_offset.append(offset)
             offset += len(stage.blocks)
-        self.norm_keep: list[str] = []
         patch = self.patch_embed.patch_size[0]
         self.feature_channels = [stage.blocks[0].dim for stage in self.layers]
         self.feature_strides = [patch * 2 ** i for i in range(len(self.layers))]
@@ -75,7 +76,7 @@ class Swin(SwinTransformer):
         self.feature_norms = nn.ModuleList(nn.LayerNorm(c) for c in self.feature_channels) \
             if feature_norms else None
 
-    def norm_context(self, name: str) -> dict[str, Any]:
+    def norm_context(self, name: str) -> NormContext:
         """Context for the norm slot ``name``: its block index, head count and stage token layout."""
         parts = name.split(".")
         block = None

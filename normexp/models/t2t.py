@@ -1,19 +1,19 @@
-"""T2T-ViT (Yuan et al., ICCV 2021), written from the architecture facts in params.md sec 6 and 9.
+"""T2T-ViT (Yuan et al., ICCV 2021, arXiv 2101.11986).
 
 timm has no T2T-ViT and the official code is under the Clear BSD licence, so this is a clean-room
-implementation from the published description (params.md 9; protocols.md 1.5), not a port.
+implementation from the paper (Sec. 3, Table 1) and the README's published sizes and counts, not a port.
 
-Structure (params.md 9.2-9.5), shapes at 224 px with the published soft-split schedule:
+Structure (paper Sec. 3.1-3.2, Fig. 4), shapes at 224 px with the published soft-split schedule:
 
 * **Tokens-to-token module** (``tokens_to_token``): three overlapping soft splits (``nn.Unfold``) with
   (kernel, stride, padding) = (7, 4, 2), (3, 2, 1), (3, 2, 1). Between them a T2T layer (``layers.0`` on the
   56x56 grid, 147 -> 64 channels; ``layers.1`` on the 28x28 grid, 576 -> 64) works on the tokens, which are
   then re-structured into a 64-channel map for the next split. The last split (14x14, 576 channels) is
   projected to the backbone width D by ``project``.
-  - Performer layer (default, ``tokens_type="performer"``, params.md 9.3): LN, Linear(in, 3*64) with bias
+  - Performer layer (default, ``tokens_type="performer"``, paper Sec. 3.1): LN, Linear(in, 3*64) with bias
     split k, q, v; 32 frozen orthogonal random features (x sqrt(32)); linear attention in float32;
     ``v + Dropout(0.1)(proj(y))``; LN + MLP(64 -> 64 -> 64) + Dropout(0.1).
-  - Transformer layer (``tokens_type="transformer"``, the T2T-ViT_t models, params.md 9.4): LN, qkv without
+  - Transformer layer (``tokens_type="transformer"``, the T2T-ViT_t models): LN, qkv without
     bias, one head, softmax attention scaled by ``in_dim ** -0.5`` (the published quirk), ``v + proj(y)``,
     LN + MLP(64 -> 64 -> 64), no dropout.
 * **Backbone**: a class token (trunc-normal 0.02) is prepended from the start, a *fixed sinusoidal* position
@@ -22,7 +22,7 @@ Structure (params.md 9.2-9.5), shapes at 224 px with the published soft-split sc
   drop path rising linearly to ``drop_path_rate``), the final LN on the class token and a linear head.
 
 Parameter counts (224 px, 1000 classes, frozen parameters included as the README does) equal the official
-exact counts of params.md 6 to the parameter, for both T2T layer types.
+exact counts (yitu-opensource/T2T-ViT's model definitions) to the parameter, for both T2T layer types.
 
 Beyond the published model (documented choices):
 
@@ -66,10 +66,11 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from ..norms.layout import TokenLayout
+from .base import Backbone, NormContext
 from .pyramid import SimpleFeaturePyramid
 from .registry import register_model
 
-# (kernel, stride, padding) of the three soft splits (params.md 9.2)
+# (kernel, stride, padding) of the three soft splits (paper Sec. 3.1)
 PUBLISHED_SOFT_SPLIT = ((7, 4, 2), (3, 2, 1), (3, 2, 1))
 MICRO_SOFT_SPLIT = ((3, 1, 1), (3, 2, 1), (3, 1, 1))
 
@@ -85,7 +86,7 @@ def sinusoid_table(num_tokens: int, dim: int, device: torch.device | None = None
 
 
 class SoftSplit(nn.Unfold):
-    """Overlapping soft split: (B, C, H, W) map -> (B, h*w, C*k*k) tokens (params.md 9.2).
+    """Overlapping soft split: (B, C, H, W) map -> (B, h*w, C*k*k) tokens (paper Sec. 3.1).
 
     Owns the :class:`TokenLayout` of the tokens it produces and sets its grid before every forward
     (a pre-hook bound to this module, so ``copy.deepcopy`` -- EMA -- rebinds it to the copy's layout).
@@ -108,8 +109,9 @@ class SoftSplit(nn.Unfold):
 
 
 class PerformerT2TLayer(nn.Module):
-    """Performer T2T layer (params.md 9.3): single-head linear attention with m = kernel_ratio * dim frozen
-    orthogonal random features, residual from v (the widths differ), then LN + MLP."""
+    """Performer T2T layer (paper Sec. 3.1, Performer attention): single-head linear attention with m =
+    kernel_ratio * dim frozen orthogonal random features, residual from v (the widths differ), then LN +
+    MLP."""
 
     def __init__(self, in_dim: int, dim: int = 64, mlp_ratio: float = 1.0, kernel_ratio: float = 0.5,
                  drop: float = 0.1) -> None:
@@ -145,8 +147,8 @@ class PerformerT2TLayer(nn.Module):
 
 
 class TransformerT2TLayer(nn.Module):
-    """Transformer T2T layer (params.md 9.4): single-head softmax attention (qkv without bias) scaled by the
-    *input* width ``in_dim ** -0.5`` as published, residual from v, then LN + MLP; no dropout."""
+    """Transformer T2T layer (the T2T-ViT_t models): single-head softmax attention (qkv without bias) scaled
+    by the *input* width ``in_dim ** -0.5`` as published, residual from v, then LN + MLP; no dropout."""
 
     def __init__(self, in_dim: int, dim: int = 64, mlp_ratio: float = 1.0) -> None:
         super().__init__()
@@ -205,7 +207,7 @@ class TokensToToken(nn.Module):
         return self.project(self.soft_splits[-1](x))
 
 
-class T2TViT(nn.Module):
+class T2TViT(Backbone):
     """T2T-ViT: the tokens-to-token module, then a class-token ViT with a fixed sinusoidal position table."""
 
     def __init__(
@@ -237,7 +239,7 @@ class T2TViT(nn.Module):
         # One layout per grid: the two T2T layers' grids (no prefix) and the backbone's (class token first).
         self.t2t_layouts = [TokenLayout(num_prefix_tokens=0), TokenLayout(num_prefix_tokens=0)]
         self.token_layout = TokenLayout(num_prefix_tokens=1)
-        # T2T layers: the published hard-coded dropout applies to the Performer only (params.md 9.3-9.4)
+        # T2T layers: the published hard-coded dropout applies to the Performer only
         self.tokens_to_token = TokensToToken(
             in_chans, embed_dim, [*self.t2t_layouts, self.token_layout], soft_split, token_dim, tokens_type,
             token_mlp_ratio, kernel_ratio, t2t_drop_rate)
@@ -259,13 +261,14 @@ class T2TViT(nn.Module):
         trunc_normal_(self.cls_token, std=0.02)
         self.apply(self._init_weights)
         self.pyramid = None
+        self.feature_channels, self.feature_strides = [], []
         if pyramid_scales is not None:
             self.pyramid = SimpleFeaturePyramid(embed_dim, self.stride, tuple(pyramid_scales))
             self.feature_channels, self.feature_strides = self.pyramid.channels, self.pyramid.strides
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
-        """params.md 9.5: Linear trunc-normal 0.02 with zero bias; LayerNorm 1 / 0."""
+        """ViT-style init: Linear trunc-normal 0.02 with zero bias; LayerNorm 1 / 0."""
         if isinstance(m, nn.Linear):
             trunc_normal_(m.weight, std=0.02)
             if m.bias is not None:
@@ -278,7 +281,7 @@ class T2TViT(nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {"cls_token", "pos_embed"}
 
-    def norm_context(self, name: str) -> dict[str, Any]:
+    def norm_context(self, name: str) -> NormContext:
         """Context for the norm slot ``name``: its block index, head count and token layout."""
         parts = name.split(".")
         num_t2t = len(self.tokens_to_token.layers)

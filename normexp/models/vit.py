@@ -1,31 +1,45 @@
-"""ViT / DeiT (Dosovitskiy et al. 2021; Touvron et al. 2021) on timm's ``VisionTransformer``.
+"""ViT / DeiT (Dosovitskiy et al. 2021, arXiv 2010.11929; Touvron et al. 2021, arXiv 2012.12877) on timm's
+``VisionTransformer``.
 
-Sizes follow DeiT (qkv bias, class token, 12 blocks). ``vit_micro`` is the same architecture scaled down
-for the CPU demo: 96 wide, 6 blocks, 4 heads, 16 px input with 2 px patches (64 tokens).
-The ``*_star`` sizes are the DTN paper's head-count variants (perfect-square heads so that every DTN head
-starts local; no qkv bias, as the DTN code builds its ViTs).
+Sizes:
+
+* DeiT's ``vit_tiny`` / ``vit_small`` / ``vit_base`` (qkv bias, class token from the start, 12 blocks) and
+  ``vit_large`` (ViT-L/16: 1024 wide, 24 blocks, 16 heads; DyT's Table 1 row, trained by its recipe with
+  ``global_pool='avg'``, i.e. timm's ``fc_norm`` after pooling). ``vit_micro`` is DeiT's architecture scaled
+  down for the CPU demo: 96 wide, 6 blocks, 4 heads, 16 px input with 2 px patches (64 tokens).
+* The DTN code's ViTs (wqshao126/DTN ``models/vit_norm_mix.py``), for the DTN paper's tables (arXiv
+  2112.02624): ``vit_small_dtn`` / ``vit_base_dtn`` are its ``vit_norm_s`` / ``vit_norm_b`` (the tables'
+  ViT-S and ViT-B: 6 / 12 heads) and ``vit_*_star`` its ``vit_norm_*_star`` head-count variants (4 / 9 / 16
+  heads, perfect squares, so that every DTN head starts local). All of them are built as that file builds
+  them: no qkv bias, ``nn.LayerNorm`` with its default eps 1e-5, a position embedding for the patch tokens
+  only, the class token initialised trunc-normal(0.02) and joining before block 10 (``dtn_blocks=10``).
+
+``dtn_blocks=k`` gives that layout (ConViT style): the first k blocks see the patch tokens only, the class
+token joins before block k, and only the norm slots of those first k blocks take the configured
+normalizer -- blocks k.. and the final norm keep LayerNorm (``norm_keep``).
 
 ``pyramid_scales`` (e.g. ``(4, 2, 1, 0.5)``) adds ViTDet's simple feature pyramid for dense tasks:
-``features(x)`` then returns NCHW maps at strides ``patch_size / scale``.
-
-``dtn_blocks=k`` gives the DTN code's ViT layout (ConViT style, dtn.md 1.4): the first k blocks see the
-patch tokens only, the class token joins before block k, and only the norm slots of those first k blocks
-take the configured normalizer -- blocks k.. and the final norm keep LayerNorm.
+``features(x)`` then returns NCHW maps at strides ``patch_size / scale``. ``dynamic_img_size=True`` accepts
+any input size (the position embedding is resampled), with or without ``dtn_blocks``.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
+from timm.layers import trunc_normal_
 from timm.models.vision_transformer import VisionTransformer
+from torch import nn
 
 from ..norms.layout import TokenLayout
+from .base import Backbone, NormContext
 from .pyramid import SimpleFeaturePyramid
 from .registry import register_model
 
 
-class ViT(VisionTransformer):
+class ViT(VisionTransformer, Backbone):
     """timm's ViT that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
     def __init__(self, dtn_blocks: int | None = None, pyramid_scales: tuple[float, ...] | None = None,
@@ -33,8 +47,8 @@ class ViT(VisionTransformer):
         if dtn_blocks is not None:
             if not 0 < dtn_blocks <= kwargs.get("depth", 12):
                 raise ValueError(f"dtn_blocks must be in 1..depth, got {dtn_blocks}")
-            if kwargs.get("dynamic_img_size") or kwargs.get("global_pool", "token") != "token":
-                raise ValueError("dtn_blocks needs a fixed image size and global_pool=token")
+            if kwargs.get("global_pool", "token") != "token":
+                raise ValueError("dtn_blocks reads the class token: it needs global_pool=token")
             kwargs["no_embed_class"] = True  # position embedding covers the grid tokens only
         super().__init__(**kwargs)
         self.dtn_blocks = dtn_blocks
@@ -46,6 +60,7 @@ class ViT(VisionTransformer):
             self.norm_keep = [f"blocks.{i}.*" for i in range(dtn_blocks, len(self.blocks))] + ["norm"]
         self.stride = self.patch_embed.patch_size[0]  # input pixels per token, as T2T-ViT's
         self.pyramid = None
+        self.feature_channels, self.feature_strides = [], []
         if pyramid_scales is not None:
             self.pyramid = SimpleFeaturePyramid(self.embed_dim, self.stride, tuple(pyramid_scales))
             self.feature_channels, self.feature_strides = self.pyramid.channels, self.pyramid.strides
@@ -55,27 +70,31 @@ class ViT(VisionTransformer):
         self.grid_layout.set_grid(*grid)
         self.token_layout.set_grid(*grid)
 
-    def norm_context(self, name: str) -> dict[str, Any]:
-        """Context for the norm slot ``name``: its block index, head count and token layout."""
+    def norm_context(self, name: str) -> NormContext:
+        """Context for the norm slot ``name``: its block index, head count and token layout.
+
+        ``fc_norm`` (``global_pool='avg'``) normalises the pooled token: ``pooled``.
+        """
         block = int(name.split(".")[1]) if name.startswith("blocks.") else None
         late_cls = self.dtn_blocks is not None and (block is None or block < self.dtn_blocks)
         layout = self.grid_layout if late_cls else self.token_layout
         num_heads = self.blocks[block if block is not None else 0].attn.num_heads
         return {"block": block, "num_heads": num_heads, "layout": layout,
-                "num_prefix_tokens": layout.num_prefix_tokens}
+                "num_prefix_tokens": layout.num_prefix_tokens, "pooled": name == "fc_norm"}
 
     def forward_features(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if self.dtn_blocks is None:
             return super().forward_features(x, **kwargs)
         if kwargs.get("attn_mask") is not None:
             raise ValueError("attention masks are not supported with dtn_blocks")
-        x = self.patch_drop(self.pos_drop(self.patch_embed(x) + self.pos_embed))
-        x = self.norm_pre(x)
+        # timm adds the (resampled) position embedding to the grid tokens and puts the class token, which
+        # has none (no_embed_class), in front; it joins the tokens again before block dtn_blocks.
+        x = self._pos_embed(self.patch_embed(x))
+        prefix, x = x[:, : self.num_prefix_tokens], x[:, self.num_prefix_tokens:]
+        x = self.norm_pre(self.patch_drop(x))
         x = self.blocks[: self.dtn_blocks](x)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = self.blocks[self.dtn_blocks :](x)
+        x = self.blocks[self.dtn_blocks :](torch.cat([prefix, x], dim=1))
         return self.norm(x)
-
 
     def features(self, x: torch.Tensor) -> list[torch.Tensor]:
         """NCHW maps of the simple pyramid (needs ``pyramid_scales``) from the last block's grid tokens."""
@@ -88,6 +107,14 @@ class ViT(VisionTransformer):
 
 def _vit(arch: dict[str, Any], **kwargs: Any) -> ViT:
     return ViT(**{**arch, **kwargs})
+
+
+def _dtn_code_vit(arch: dict[str, Any], **kwargs: Any) -> ViT:
+    """A ViT as the DTN code's ``vit_norm_mix.py`` builds it (see the module docstring)."""
+    model = ViT(**{"qkv_bias": False, "norm_layer": partial(nn.LayerNorm, eps=1e-5), "dtn_blocks": 10,
+                   **arch, **kwargs})
+    trunc_normal_(model.cls_token, std=0.02)  # timm starts it at std 1e-6
+    return model
 
 
 @register_model
@@ -111,22 +138,42 @@ def vit_base(**kwargs: Any) -> ViT:
 
 
 @register_model
+def vit_large(**kwargs: Any) -> ViT:
+    return _vit(dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16), **kwargs)
+
+
+@register_model
+def vit_small_dtn(**kwargs: Any) -> ViT:
+    """The DTN code's ``vit_norm_s`` (the DTN tables' ViT-S)."""
+    return _dtn_code_vit(dict(patch_size=16, embed_dim=384, depth=12, num_heads=6), **kwargs)
+
+
+@register_model
+def vit_base_dtn(**kwargs: Any) -> ViT:
+    """The DTN code's ``vit_norm_b`` (the DTN tables' ViT-B)."""
+    return _dtn_code_vit(dict(patch_size=16, embed_dim=768, depth=12, num_heads=12), **kwargs)
+
+
+@register_model
 def vit_tiny_star(**kwargs: Any) -> ViT:
-    return _vit(dict(patch_size=16, embed_dim=192, depth=12, num_heads=4, qkv_bias=False), **kwargs)
+    """The DTN code's ``vit_norm_ti_star`` (ViT-T*)."""
+    return _dtn_code_vit(dict(patch_size=16, embed_dim=192, depth=12, num_heads=4), **kwargs)
 
 
 @register_model
 def vit_small_star(**kwargs: Any) -> ViT:
-    return _vit(dict(patch_size=16, embed_dim=432, depth=12, num_heads=9, qkv_bias=False), **kwargs)
+    """The DTN code's ``vit_norm_s_star`` (ViT-S*: 432 wide, 9 heads)."""
+    return _dtn_code_vit(dict(patch_size=16, embed_dim=432, depth=12, num_heads=9), **kwargs)
 
 
 @register_model
 def vit_base_star(**kwargs: Any) -> ViT:
-    return _vit(dict(patch_size=16, embed_dim=768, depth=12, num_heads=16, qkv_bias=False), **kwargs)
+    """The DTN code's ``vit_norm_b_star`` (ViT-B*: 16 heads)."""
+    return _dtn_code_vit(dict(patch_size=16, embed_dim=768, depth=12, num_heads=16), **kwargs)
 
 
 @register_model
 def vit_micro_star(**kwargs: Any) -> ViT:
-    """``vit_micro`` built as the DTN code builds its ViTs (no qkv bias; the class token joins late: the
-    config's ``dtn_blocks``): the CPU member for the ``*_star`` and DTN-code ViTs at smoke scale."""
-    return _vit(dict(img_size=16, patch_size=2, embed_dim=96, depth=6, num_heads=4, qkv_bias=False), **kwargs)
+    """``vit_micro`` built as the DTN code builds its ViTs (its config's ``dtn_blocks`` is 5 of 6): the CPU
+    member standing in for the ``*_star`` and DTN-code ViTs at smoke scale."""
+    return _dtn_code_vit(dict(img_size=16, patch_size=2, embed_dim=96, depth=6, num_heads=4), **kwargs)

@@ -1,4 +1,4 @@
-"""BatchNorm over the batch and all tokens / positions, per channel (DTN's ``batch`` baseline, dtn.md 1.2).
+"""BatchNorm over the batch and all tokens / positions, per channel (DTN's ``batch``).
 
 Statistics are taken over every (sample, token) pair of a channel, with running statistics (momentum 0.1,
 as torch) used in eval mode. The math is ``nn.BatchNorm1d`` applied to the input flattened to (M, C)

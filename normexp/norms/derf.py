@@ -1,4 +1,4 @@
-"""Dynamic erf (Derf; Chen et al., arXiv 2512.10938; dyt.md 4.1): ``gamma * erf(alpha * x + s) + beta``.
+"""Dynamic erf (Derf; Chen et al., arXiv 2512.10938, Eq. 10): ``gamma * erf(alpha * x + s) + beta``.
 
 ``alpha`` and the shift ``s`` are learnable scalars (init 0.5 and 0), ``gamma``/``beta`` are per channel.
 Element-wise, like DyT.

@@ -1,8 +1,8 @@
 """GroupNorm for tokens: per sample, statistics over (channels of a group) x (all tokens / positions).
 
-DTN's ``gnorm`` baseline uses as many groups as the block has heads (dtn.md 1.2), so ``num_groups``
-defaults to the ``num_heads`` context; the ``groups`` hyper-parameter overrides it. Biased variance, as
-``nn.GroupNorm``.
+DTN's ``gnorm`` baseline uses as many groups as the block has heads (wqshao126/DTN
+``models/normkit/norm_select.py``), so ``num_groups`` defaults to the ``num_heads`` context; the ``groups``
+hyper-parameter overrides it. Biased variance, as ``nn.GroupNorm``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """InstanceNorm for tokens: per sample and channel, statistics over all tokens / positions (+ affine).
 
-DTN's ``insnorm`` baseline (dtn.md 1.2) uses the *unbiased* variance over the tokens, hence the default
-``unbiased=True``; ``unbiased=False`` gives the textbook / ``nn.InstanceNorm`` form. Prefix (class) tokens,
+DTN's ``insnorm`` baseline (wqshao126/DTN ``models/normkit/norms/us_instancenorm.py``) uses the *unbiased*
+variance over the tokens, hence the default ``unbiased=True``; ``unbiased=False`` gives the textbook /
+``nn.InstanceNorm`` form. Prefix (class) tokens,
 when present, are tokens like any other here.
 """
 
@@ -16,6 +17,8 @@ from .registry import register_norm
 
 @register_norm("in")
 class InstanceNorm(nn.Module):
+    token_statistics = True  # statistics over the tokens of a sample: undefined on one pooled vector
+
     def __init__(self, dim: int, eps: float = 1e-5, affine: bool = True, unbiased: bool = True,
                  data_format: str = "channels_last") -> None:
         super().__init__()

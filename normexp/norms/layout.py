@@ -1,4 +1,4 @@
-"""Token layout shared by the norm layers of one stage (see shared/design.md, "Normalizers and placement").
+"""Token layout shared by the norm layers of one stage.
 
 Token-grid-aware normalizers (DTN) need to know how the (B, N, C) tokens they receive map onto a 2-D
 patch grid. That grid changes at run time (detection resolutions, dynamic image size), so it cannot be a

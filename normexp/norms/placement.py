@@ -51,7 +51,9 @@ def replace_norms(
     architecture whose late blocks must keep LN says so itself), or -- with ``first_blocks=k`` -- when it
     is not inside one of the first k blocks (its context ``block`` index, from the model, is None or >= k).
     ``context_fn(name)`` (default: ``model.norm_context``) gives the extra context of slot ``name``,
-    such as its block index, its block's head count or its stage's token layout.
+    such as its block index, its block's head count or its stage's token layout. A slot whose context says
+    ``pooled`` (it normalises one pooled vector per image) also keeps its layer when the normalizer takes
+    statistics over tokens (``norm_layer.token_statistics``): over a single token they are undefined.
     """
     keep = [*keep, *getattr(model, "norm_keep", ())]
     if context_fn is None:
@@ -63,6 +65,8 @@ def replace_norms(
         context = dict(context_fn(name)) if context_fn else {}
         block = context.pop("block", None)
         if first_blocks is not None and (block is None or block >= first_blocks):
+            continue
+        if context.pop("pooled", False) and getattr(norm_layer, "token_statistics", False):
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)

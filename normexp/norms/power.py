@@ -1,30 +1,34 @@
-"""PowerNorm (Shen et al., ICML 2020, "PowerNorm: Rethinking Batch Normalization in Transformers").
+"""PowerNorm (Shen et al., ICML 2020, arXiv 2003.07845) as the DTN code configures it for its Table 2
+baseline: ``PowerNorm(dim, group_num=num_heads, warmup_iters=3000)`` (wqshao126/DTN
+``models/normkit/norm_select.py``).
 
-DTN compares against "PowerNorm with group scaling, warmup 3000 iterations" (dtn.md 1.2), but its released
-module cannot run in training mode (dtn.md 4, defect 1). This one follows the paper's description:
+Where each behaviour comes from. The DTN code's module (``models/normkit/norms/us_powernorm.py``) cannot run
+as released: its training forward calls ``PowerFunction``, which that file never defines; the autograd
+Function it does define is ``PowerFunction_PN``. This layer is that file's module running that Function:
 
-* optional group scaling first (``scale_groups``, default 1 as in the PowerNorm code): each token is divided
-  by the RMS of its channels within each group, ``x / sqrt(mean_group(x^2) + eps)``;
-* no centring; each channel is divided by a running quadratic mean over batch and tokens,
-  ``y = gamma * x / sqrt(psi^2 + eps) + beta``;
-* training, first ``warmup_iters`` training forwards: the *current batch's* quadratic mean ``mean(x^2)``
-  is used (exact gradient through it, like BatchNorm without centring), and ``psi^2`` is the cumulative
-  average of the batch values seen so far (so it is an unbiased estimate when warm-up ends);
-* training afterwards: ``x / sqrt(psi_{t-1}^2 + eps)`` with the running value *before* this batch, then
-  ``psi_t^2 = (1 - momentum) psi_{t-1}^2 + momentum * mean(x^2)`` (momentum 0.1 = the paper's alpha 0.9);
-* eval: the running value, no updates.
+* group scaling (its ``GroupScaling1D``): each token is first divided by the RMS of its channels within each
+  of ``groups`` groups -- one group per attention head (``num_heads``) unless ``groups`` is given --,
+  ``x / sqrt(mean_group(x^2) + eps)``, with plain autograd through it;
+* then per channel, no centring: ``y = gamma * x / sqrt(phi + eps) + beta``, where in training step t
+  (``num_batches_tracked``, counting training forwards from 1) ``phi`` is the batch's quadratic mean
+  ``mean(x^2)`` over batch and tokens while t <= ``warmup_iters``, and the running ``phi`` from before this
+  batch afterwards; in eval always the running ``phi``;
+* the running ``phi`` is updated on every training forward: while t < ``warmup_iters`` it is first set to
+  the cumulative average of the batch values, then -- on every step, warm-up included -- it takes the EMA
+  ``phi = 0.9 phi + 0.1 mean(x^2)`` (``alpha_fwd`` 0.9); it starts at 1;
+* backward (``PowerFunction_PN.backward``), on warm-up and later steps alike: the gradient does not flow
+  through ``mean(x^2)``. With ``g = dL/dy * gamma`` and ``z = x / sqrt(phi_used + eps)``,
+  ``g' = g - 0.1 * nu * z`` (``1 - alpha_bkw``, 0.1), then ``nu += mean(g' * z)`` per channel (no decay;
+  ``nu`` starts at 0 and is updated from the first step), and ``dL/dx = g' / sqrt(s + eps)`` where s is
+  the batch's ``mean(x^2)`` while t < ``warmup_iters`` and the running ``phi`` *after* this step's update
+  from t = ``warmup_iters`` on.
 
-After warm-up the running statistic is a constant of the forward pass. With ``approx_backward=True``
-(default) the gradient follows the paper's approximate backpropagation, which accounts for the running
-statistic through a running estimate ``nu`` of ``mean(x_hat * dL/dx_hat)``:
-``dL/dx = (g - nu_{t-1} * x_hat) / psi_{t-1}`` with ``g = dL/dx_hat``, then
-``nu_t = nu_{t-1} (1 - momentum * mean(x_hat^2)) + momentum * mean(x_hat * g)`` (per channel, means over
-batch and tokens; ``nu`` is a buffer updated during backward). This form is written from the paper's
-Algorithm 1 as recalled, not from the reference notes (which do not give it); ``approx_backward=False``
-treats the running statistic as a constant (gradient ``g / psi``).
+The same forward and backward are in the PowerNorm authors' code (sIncerass/powernorm
+``fairseq/modules/norms/mask_powernorm.py``), except that its backward always divides by the batch value;
+the DTN file changed that to the running one after warm-up, which is what runs here. ``eps`` is 1e-5 in the
+group scaling and the division (both files' defaults).
 
-``warmup_iters`` counts training-mode forward calls (``num_batches_tracked``), i.e. micro-batches when
-gradients are accumulated.
+(B, N, C) tokens and (B, H, W, C) maps are rows of C channels; (B, C, H, W) maps are moved to channels-last.
 """
 
 from __future__ import annotations
@@ -37,45 +41,49 @@ from torch import nn
 from .functional import channel_affine, check_data_format
 from .registry import register_norm
 
+ALPHA_FWD = 0.9  # EMA factor of the running phi (official alpha_fwd)
+ALPHA_BKW = 0.9  # the backward subtracts (1 - alpha_bkw) * nu * z (official alpha_bkw)
 
-class _RunningRMSScale(torch.autograd.Function):
-    """x_hat = x * rstd with a constant per-channel rstd, and the paper's approximate backward."""
+
+class _PowerFunction(torch.autograd.Function):
+    """``z = x / sqrt(phi_used + eps)`` on (M, C) rows, with the official approximate backward.
+
+    ``bwd_phi`` is what the backward divides by (batch value during warm-up, running value after); ``nu``
+    (the official ``ema_gz``) is updated in place during backward.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rstd: torch.Tensor, nu: torch.Tensor,
-                momentum: float) -> torch.Tensor:
-        x_hat = x * rstd
-        ctx.save_for_backward(x_hat, rstd)
-        ctx.nu, ctx.momentum = nu, momentum
-        return x_hat
+    def forward(ctx: Any, x: torch.Tensor, fwd_phi: torch.Tensor, bwd_phi: torch.Tensor, nu: torch.Tensor,
+                eps: float) -> torch.Tensor:
+        z = x * torch.rsqrt(fwd_phi + eps)
+        ctx.save_for_backward(z, bwd_phi)
+        ctx.nu, ctx.eps = nu, eps
+        return z
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        x_hat, rstd = ctx.saved_tensors
-        nu, momentum = ctx.nu, ctx.momentum
-        grad_x = (grad - nu * x_hat) * rstd
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        z, bwd_phi = ctx.saved_tensors
+        nu = ctx.nu
+        approx = grad - (1 - ALPHA_BKW) * nu.to(grad.dtype) * z
         with torch.no_grad():
-            gamma_t = x_hat.square().mean(0)
-            lambda_t = (x_hat * grad).mean(0)
-            nu.mul_(1 - momentum * gamma_t).add_(momentum * lambda_t.to(nu.dtype))
-        return grad_x, None, None, None
+            nu.add_((approx * z).mean(0).to(nu.dtype))
+        return approx * torch.rsqrt(bwd_phi + ctx.eps), None, None, None, None
 
 
 @register_norm("power")
 class PowerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1, warmup_iters: int = 3000,
-                 scale_groups: int | None = 1, approx_backward: bool = True, affine: bool = True,
-                 data_format: str = "channels_last") -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, warmup_iters: int = 3000, groups: int | None = None,
+                 num_heads: int | None = None, data_format: str = "channels_last") -> None:
         super().__init__()
-        if scale_groups and dim % scale_groups != 0:
-            raise ValueError(f"PowerNorm: scale_groups={scale_groups} must divide dim={dim}")
-        self.dim, self.eps, self.momentum, self.warmup_iters = dim, eps, momentum, warmup_iters
-        self.scale_groups, self.approx_backward = scale_groups, approx_backward
+        num_groups = groups if groups is not None else (num_heads or 1)
+        if dim % num_groups != 0:
+            raise ValueError(f"PowerNorm: {num_groups} scaling groups must divide dim={dim}")
+        self.dim, self.eps, self.warmup_iters, self.groups = dim, eps, warmup_iters, num_groups
         self.data_format = check_data_format(data_format)
-        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
-        self.bias = nn.Parameter(torch.zeros(dim)) if affine else None
-        self.register_buffer("running_phi", torch.ones(dim))  # psi^2
-        self.register_buffer("running_nu", torch.zeros(dim))  # nu of the approximate backward
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.register_buffer("running_phi", torch.ones(dim))
+        self.register_buffer("running_nu", torch.zeros(dim))  # the official ema_gz
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
         self._steps: int | None = None  # host copy of num_batches_tracked: no device sync per forward
 
@@ -83,13 +91,16 @@ class PowerNorm(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
         self._steps = None  # re-read the loaded counter on the next training forward
 
+    def _group_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (M, C); each row divided by the RMS of its channels within each group."""
+        xg = x.view(x.shape[0], self.groups, -1)
+        return (xg * torch.rsqrt(xg.square().mean(-1, keepdim=True) + self.eps)).view_as(x)
+
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         """x: (M, C) rows = (sample, token) pairs."""
-        if self.scale_groups:
-            xg = x.view(x.shape[0], self.scale_groups, -1)
-            x = (xg * torch.rsqrt(xg.square().mean(-1, keepdim=True) + self.eps)).view_as(x)
+        x = self._group_scale(x)
         if not self.training:
-            return x * torch.rsqrt(self.running_phi + self.eps)
+            return x * torch.rsqrt(self.running_phi + self.eps).to(x.dtype)
         if self._steps is None:
             self._steps = int(self.num_batches_tracked)
         self._steps += 1
@@ -97,20 +108,13 @@ class PowerNorm(nn.Module):
         step = self._steps
         with torch.no_grad():
             batch_phi = x.detach().to(self.running_phi.dtype).square().mean(0)
-        if step <= self.warmup_iters:
-            phi = x.square().mean(0)  # current batch, gradient flows through it
-            out = x * torch.rsqrt(phi + self.eps)
-            with torch.no_grad():  # cumulative average over the warm-up batches
-                self.running_phi.add_((batch_phi - self.running_phi) / step)
-            return out
-        rstd = torch.rsqrt(self.running_phi + self.eps).to(x.dtype)  # psi_{t-1}, before this batch
-        if self.approx_backward and torch.is_grad_enabled() and x.requires_grad:
-            out = _RunningRMSScale.apply(x, rstd, self.running_nu, self.momentum)
-        else:
-            out = x * rstd
-        with torch.no_grad():
-            self.running_phi.lerp_(batch_phi, self.momentum)
-        return out
+            running_before = self.running_phi.clone()
+            if step < self.warmup_iters:  # cumulative average of the batch values so far ...
+                self.running_phi.mul_((step - 1) / step).add_(batch_phi / step)
+            self.running_phi.mul_(ALPHA_FWD).add_((1 - ALPHA_FWD) * batch_phi)  # ... then the EMA, always
+        fwd_phi = batch_phi if step <= self.warmup_iters else running_before
+        bwd_phi = batch_phi if step < self.warmup_iters else self.running_phi.clone()
+        return _PowerFunction.apply(x, fwd_phi.to(x.dtype), bwd_phi.to(x.dtype), self.running_nu, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.data_format == "channels_first":
@@ -121,6 +125,5 @@ class PowerNorm(nn.Module):
         return channel_affine(y, self.weight, self.bias, self.data_format)
 
     def extra_repr(self) -> str:
-        return (f"{self.dim}, eps={self.eps}, momentum={self.momentum}, warmup_iters={self.warmup_iters}, "
-                f"scale_groups={self.scale_groups}, approx_backward={self.approx_backward}, "
+        return (f"{self.dim}, eps={self.eps}, warmup_iters={self.warmup_iters}, groups={self.groups}, "
                 f"data_format={self.data_format}")

@@ -9,6 +9,10 @@ convention -- so it drops into any model slot. ``context`` carries what only the
 - ``layout``: a :class:`normexp.norms.layout.TokenLayout` describing the token grid, shared by a stage;
 - ``num_prefix_tokens``: class/distillation tokens that precede the grid tokens.
 
+A normalizer class that takes statistics over the tokens of a sample (instance statistics) says so with
+``token_statistics = True``; the placement then leaves the slots that see one pooled vector per image
+(context ``pooled``) as built.
+
 Each normalizer's constructor names the context it uses; :func:`norm_layer_factory` passes it only
 those keys, so models hand every layer the full context and never special-case a normalizer.
 """
@@ -79,4 +83,5 @@ def norm_layer_factory(name: str, **hparams: Any) -> NormLayer:
         return cls(dim, **hparams, **context)
 
     build.norm_name = name  # type: ignore[attr-defined]
+    build.token_statistics = getattr(cls, "token_statistics", False)  # type: ignore[attr-defined]
     return build

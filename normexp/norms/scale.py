@@ -1,4 +1,5 @@
-"""ScaleNorm (Nguyen & Salazar, 2019) as used in DTN's comparison (dtn.md 1.2, ``scale``):
+"""ScaleNorm (Nguyen & Salazar, 2019) as DTN's comparison uses it (``scale``,
+wqshao126/DTN ``models/normkit/norms/us_scalenorm.py``):
 ``y = g * x / max(||x||_2, eps)`` over the channels of each token, with a learnable scale ``g``
 initialised to sqrt(C). DTN's variant has a per-channel ``g`` (default); ``per_channel=False`` gives the
 original single scalar. No centring, no bias; at init it equals RMSNorm without eps.

@@ -136,6 +136,7 @@ def build_detection_model(cfg: Any, num_classes: int) -> nn.Module:
             image_mean=cfg.data.mean, image_std=cfg.data.std, fpn_channels=cfg.task.fpn_channels,
             levels=cfg.task.levels, anchor_scale=cfg.task.anchor_scale, score_thresh=cfg.task.score_thresh,
             detections_per_img=cfg.task.detections_per_img, box_head_dim=cfg.task.box_head_dim,
+            rpn_min_pos_iou=cfg.task.rpn_min_pos_iou,
             options=OmegaConf.to_container(options, resolve=True) if options else None)
     except (ValueError, IndexError, TypeError) as e:
         raise UserError(f"cannot build {cfg.task.detector} over {cfg.backbone.name}: {e}") from e

@@ -88,7 +88,8 @@ def test_malformed_annotation_names_the_annotation_and_field(root, tmp_path, edi
 def test_category_count_must_match_the_config(root):
     from omegaconf import OmegaConf
     cfg = OmegaConf.create(dict(name="coco", root=str(root), train_split="train2017", val_split="val2017",
-                                num_classes=80, hflip=0.0, batch_size=2,
+                                num_classes=80, hflip=0.0, filter_empty_gt=True, min_image_size=32,
+                                batch_size=2,
                                 eval_batch_size=2, num_workers=0))
     with pytest.raises(UserError, match="has 10 categories but data.num_classes=80"):
         build_detection_data(cfg, seed=0, masks=False)
@@ -127,3 +128,23 @@ def test_gapped_category_ids_map_to_contiguous_labels_and_back(root, tmp_path):
         output = {**target, "scores": torch.ones(len(anns))}
         results += coco_results(int(target["image_id"]), output, data.category_ids, masks=False)[0]
     assert coco_evaluate(data.coco, results, "bbox")[0]["AP"] == 1.0
+
+
+def test_training_sets_are_filtered_as_mmdet_filters_them(root, tmp_path):
+    """mmdet 2.x CocoDataset._filter_imgs: no image without annotations (a crowd one counts) and none under
+    32 px on a side; and no target of zero area. Evaluation sets keep every image."""
+    ids = sorted(json.loads((root / "annotations" / "instances_val2017.json").read_text())["images"][i]["id"]
+                 for i in range(4))
+
+    def edit(d):
+        d["annotations"] = [a for a in d["annotations"] if a["image_id"] != ids[0]]  # no annotation left
+        for a in d["annotations"]:
+            a["iscrowd"] = int(a["image_id"] == ids[1])  # crowd annotations only: still an annotated image
+        next(im for im in d["images"] if im["id"] == ids[2])["width"] = 31
+        next(a for a in d["annotations"] if a["image_id"] == ids[3])["area"] = 0
+    path = broken_copy(root, tmp_path, edit)
+    train = CocoDetection(path, "val2017", masks=False, filter_empty_gt=True, min_image_size=32)
+    assert train.image_ids == [ids[1], ids[3]]
+    assert CocoDetection(path, "val2017", masks=False).image_ids == ids
+    assert len(train[0][1]["boxes"]) == 0  # crowd regions are no targets
+    assert len(train[1][1]["boxes"]) == len(train.coco.imgToAnns[ids[3]]) - 1  # nor a zero-area one

@@ -50,3 +50,16 @@ def test_decay_on_every_parameter_only_when_asked(tmp_path):
     model = exempt.model
     assert id(model.pos_embed) in no_decay and id(model.norm.weight) in no_decay  # no_weight_decay(), 1-D
     assert id(model.head.weight) not in no_decay
+
+
+@pytest.mark.parametrize("scale_floor", [True, False])
+def test_warmup_and_min_lr_scale_with_the_batch_only_when_asked(tmp_path, scale_floor):
+    """DeiT's / the DTN code's main.py scale only the peak lr by batch / 512; Swin's scales all three."""
+    trainer = trainer_for(tmp_path, "trainer=default", "trainer.epochs=4", "trainer.warmup_epochs=1",
+                          "trainer.lr=5e-4", "trainer.lr_base_size=512", "trainer.warmup_lr=1e-6",
+                          "trainer.min_lr=1e-5", f"trainer.lr_scale_warmup_min={scale_floor}")
+    factor = trainer.data.train.batch_size / 512
+    floor = factor if scale_floor else 1.0
+    assert all(v == pytest.approx(5e-4 * factor) for v in trainer.scheduler.base_values)  # the peak scales
+    assert lr_at(trainer, 0) == pytest.approx(1e-6 * floor)
+    assert lr_at(trainer, 10 ** 6) == pytest.approx(1e-5 * floor)

@@ -17,7 +17,8 @@ from normexp.models.stats import count_gmacs
 from normexp.norms import TokenLayout, get_norm_class, list_norms, norm_layer_factory, replace_norms
 from normexp.norms.placement import norm_slots
 
-# params.md sec 5: exact unfused counts of the official code with both heads (= timm), README rounding (M)
+# facebookresearch/LeViT README model zoo and the exact unfused counts of the official code with both heads
+# (= timm), README rounding (M)
 PAPER = {"levit_128s": (7_777_058, 7.8), "levit_128": (9_213_936, 9.2), "levit_192": (10_947_069, 11),
          "levit_256": (18_893_876, 19), "levit_384": (39_128_836, 39)}
 

@@ -1,4 +1,5 @@
-"""PVT v1 (written here from params.md 3 and 8): sizes, norm slots and layouts, features, recipe."""
+"""PVT v1 (written here from arXiv 2102.12122 and whai362/PVT classification/pvt.py): sizes, norm slots and
+layouts, features, recipe."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def explicit_attention(model: nn.Module) -> nn.Module:
     return model
 
 
-# params.md 3 / 8.2: README figure (M) and exact count of the official code (224 px, 1000 classes)
+# whai362/PVT README figure (M) and the exact count of its classification/pvt.py (224 px, 1000 classes)
 PAPER = {"pvt_tiny": (13.2, 13_229_288), "pvt_small": (24.5, 24_485_864),
          "pvt_medium": (44.2, 44_208_104), "pvt_large": (61.4, 61_369_320)}
 
@@ -35,7 +36,8 @@ PAPER = {"pvt_tiny": (13.2, 13_229_288), "pvt_small": (24.5, 24_485_864),
 @pytest.mark.parametrize("name", list(PAPER))
 @pytest.mark.parametrize("heads", [(1, 2, 5, 8), (4, 4, 5, 8)])
 def test_parameter_counts_match_the_paper(name, heads):
-    """The paper's heads and the DTN code's heads (dtn.md 1.5) give the same, published count."""
+    """The paper's heads and the DTN code's heads (wqshao126/DTN models/pvt_norm.py) give the same, published
+    count."""
     paper, exact = PAPER[name]
     model = create_model(name, num_classes=1000, img_size=224, num_heads=heads)
     print(f"{name} heads={list(heads)} | {count(model) / 1e6:.1f}M ({count(model):,}) | {paper}M ({exact:,})")
@@ -43,7 +45,7 @@ def test_parameter_counts_match_the_paper(name, heads):
 
 
 def test_pvt_tiny_parameter_breakdown():
-    """params.md 8.4, part by part."""
+    """The official PVT-Tiny (classification/pvt.py, 1000 classes), part by part."""
     model = create_model("pvt_tiny", num_classes=1000, img_size=224)
     parts = {"pos_embed1": 200_704, "pos_embed2": 100_352, "pos_embed3": 62_720, "pos_embed4": 25_600,
              "cls_token": 512, "patch_embed1": 3_264, "patch_embed2": 33_152, "patch_embed3": 164_800,
@@ -62,7 +64,8 @@ def test_pvt_tiny_parameter_breakdown():
 
 @pytest.mark.parametrize("name,counted,paper", [("pvt_tiny", 1.93, 1.9), ("pvt_small", 3.82, 3.8)])
 def test_macs_match_the_count(name, counted, paper):
-    """params.md 3: the MAC count of the official code (attention matmuls included) and the paper's."""
+    """arXiv 2102.12122 Table 2 (GFLOPs = MACs) and the MAC count of the official code (attention matmuls
+    included) and the paper's."""
     gmacs = count_gmacs(explicit_attention(create_model(name, num_classes=1000)), (3, 224, 224))
     print(f"{name} | {gmacs:.2f} GMACs | {counted} (paper {paper})")
     assert round(gmacs, 2) == counted and round(gmacs, 1) == paper
@@ -129,7 +132,8 @@ def test_an_ema_copy_keeps_its_own_shared_layouts():
 
 
 def test_dtn_code_layout():
-    """dtn.md 1.5: heads 4-4-5-8, the normalizer in the blocks of stages 1-3 only, everything else LN."""
+    """wqshao126/DTN models/pvt_norm.py: heads 4-4-5-8, the normalizer in the blocks of stages 1-3 only,
+    everything else LN."""
     cfg = compose_cfg("backbone=pvt_micro", "norm=dtn", "backbone.num_heads=[4,4,5,8]",
                       "backbone.dtn_stages=3")
     model = build_backbone(cfg.backbone, cfg.norm)
@@ -162,7 +166,8 @@ def test_features_are_the_stage_maps(name, img, strides):
 
 
 def test_recipe_values():
-    """protocols.md 1.3: DeiT's main.py with PVT's batch 128 x 8, colour jitter 0.4, no EMA."""
+    """whai362/PVT classification/main.py: DeiT's main.py with PVT's batch 128 x 8, colour jitter 0.4, no
+    EMA."""
     cfg = compose_cfg("experiment=pvt_imagenet")
     t, d = cfg.trainer, cfg.data
     assert cfg.backbone.name == "pvt_small" and cfg.backbone.drop_path_rate == 0.1 and d.name == "imagenet"

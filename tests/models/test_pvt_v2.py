@@ -28,7 +28,8 @@ def explicit_attention(model: nn.Module) -> nn.Module:
     return model
 
 
-# params.md 4: README figure (M) and exact count of the official code (224 px, 1000 classes)
+# whai362/PVT README (branch v2) figure (M) and the exact count of its classification/pvt_v2.py (224 px, 1000
+# classes)
 README = {"pvt_v2_b0": (3.7, 3_666_760), "pvt_v2_b1": (14.0, 14_009_000), "pvt_v2_b2": (25.4, 25_362_856),
           "pvt_v2_b2_li": (22.6, 22_553_512), "pvt_v2_b3": (45.2, 45_238_696),
           "pvt_v2_b4": (62.6, 62_556_072), "pvt_v2_b5": (82.0, 81_956_008)}
@@ -45,7 +46,8 @@ def test_parameter_counts_match_the_readme(name):
 
 @pytest.mark.parametrize("name,counted,paper", [("pvt_v2_b0", 0.57, 0.6), ("pvt_v2_b2_li", 3.89, 3.9)])
 def test_macs_match_the_count(name, counted, paper):
-    """params.md 4: the MAC count of the official code (attention matmuls included) and the paper's."""
+    """arXiv 2106.13797 Table 1 (GFLOPs = MACs) and the MAC count of the official code (attention matmuls
+    included) and the paper's."""
     gmacs = count_gmacs(explicit_attention(create_model(name, num_classes=1000)), (3, 224, 224))
     print(f"{name} | {gmacs:.2f} GMACs | {counted} (paper {paper})")
     assert round(gmacs, 2) == counted and round(gmacs, 1) == paper
@@ -141,7 +143,8 @@ def test_features_are_the_stage_maps(name, img, strides):
 
 
 def test_recipe_values():
-    """protocols.md 1.3: the PVT recipe serves PVT v2 too; drop path per size in the backbone yamls."""
+    """whai362/PVT classification/: the PVT recipe serves PVT v2 too; drop path per size in the backbone
+    yamls."""
     cfg = compose_cfg("experiment=pvt_imagenet", "backbone=pvt_v2_b2")
     t, d = cfg.trainer, cfg.data
     assert cfg.backbone.name == "pvt_v2_b2" and d.name == "imagenet" and d.batch_size == 128

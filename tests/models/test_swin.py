@@ -16,7 +16,8 @@ from normexp.norms import get_norm_class, list_norms, norm_layer_factory, replac
 from normexp.norms.dtn import DTN
 from normexp.norms.placement import norm_slots
 
-# params.md sec 2: exact counts of the official code (= timm), and the README's rounding (M)
+# microsoft/Swin-Transformer README / MODELHUB.md: exact counts of the official code (= timm), and the
+# README's rounding (M)
 PAPER = {"swin_tiny": (28_288_354, 28), "swin_small": (49_606_258, 50), "swin_base": (87_768_224, 88)}
 
 

@@ -1,4 +1,5 @@
-"""T2T-ViT: published sizes and counts (params.md 6, 9), both T2T layer types, norm slots, grids, recipe."""
+"""T2T-ViT: published sizes and counts (arXiv 2101.11986; yitu-opensource/T2T-ViT README), both T2T layer
+types, norm slots, grids, recipe."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from normexp.norms import norm_layer_factory, replace_norms
 from normexp.norms.dtn import DTN
 from normexp.norms.placement import norm_slots
 
-# params.md 6: README figure (M) and the exact count of the official code, frozen parameters included
+# yitu-opensource/T2T-ViT README figure (M) and the exact count of the official code, frozen parameters
+# included
 # (the fixed sinusoidal table and the Performer random features; the README counts them), and trainable.
 PUBLISHED = [
     ("t2t_vit_7", "performer", 4.3, 4_310_222, 4_255_694),
@@ -53,7 +55,7 @@ def test_parameter_counts_match_the_readme(name, tokens_type, paper, exact_all, 
 
 
 def test_t2t_vit_14_parameter_breakdown():
-    """params.md 9.6, part by part ("all" / trainable)."""
+    """T2T-ViT-14 of the official code, part by part ("all" / trainable)."""
     with torch.device("meta"):
         model = create_model("t2t_vit_14", num_classes=1000)
         model_t = create_model("t2t_vit_14", tokens_type="transformer", num_classes=1000)
@@ -74,7 +76,8 @@ def test_t2t_vit_14_parameter_breakdown():
     ("t2t_vit_7", "performer", 1.15), ("t2t_vit_14", "performer", 4.78), ("t2t_vit_14", "transformer", 6.09),
 ])
 def test_macs_match_the_published_count(name, tokens_type, count):
-    """params.md 6 "count" column (GMACs at 224 px). torch's counter does not see the CPU kernel of fused
+    """The README's MACs column, counted here (GMACs at 224 px). torch's counter does not see the CPU kernel
+    of fused
     attention, so the models are built with timm's explicit-matmul attention here."""
     timm.layers.set_fused_attn(False)
     try:
@@ -106,7 +109,7 @@ def test_micro_member_schedule_grids_and_size():
 
 
 def test_performer_layer_follows_its_equations():
-    """params.md 9.3: phi(x) = exp(w x - |x|^2/2)/sqrt(m),
+    """Performer features (models/token_performer.py): phi(x) = exp(w x - |x|^2/2)/sqrt(m),
     y = phi(q)(phi(k)^T v) / (phi(q) sum_t phi(k_t) + 1e-8), out = v + proj(y);
     frozen orthogonal features with rows of norm sqrt(m)."""
     torch.manual_seed(0)
@@ -215,7 +218,8 @@ def test_tokens_type_is_validated():
 
 
 def test_imagenet_recipe_matches_protocols():
-    """protocols.md 1.5: absolute lr, 8 x 64, wd 0.05, 10 warm-up epochs, EMA, colour jitter 0.4."""
+    """yitu-opensource/T2T-ViT main.py / README: absolute lr, 8 x 64, wd 0.05, 10 warm-up epochs, EMA, colour
+    jitter 0.4."""
     cfg = compose_cfg("experiment=t2t_imagenet")
     t, d = cfg.trainer, cfg.data
     assert cfg.backbone.name == "t2t_vit_14" and cfg.backbone.tokens_type == "performer"

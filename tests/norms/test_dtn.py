@@ -1,4 +1,5 @@
-"""DTN against its definition (shared/reference/dtn.md 1.2, 5) and a slow per-token loop reference."""
+"""DTN against its definition (the official module, wqshao126/DTN models/normkit/norms/dtn.py) and a slow
+per-token loop reference."""
 
 from __future__ import annotations
 
@@ -244,7 +245,8 @@ def test_local_init_h9_each_head_peaks_at_its_offset():
         off_x, off_y = h2 - 1, h1 - 1  # Delta of this head; dx = col(target) - col(source)
         src = int(p[head, :, target].argmax())
         assert (7 - src // 14, 7 - src % 14) == (off_y, off_x)
-        assert p[head, src, target].item() == pytest.approx(0.318, abs=0.005)  # dtn.md 1.2
+        # 9 heads: offsets {-1, 0, 1}^2, each with peak weight 0.318 on a 14x14 grid
+        assert p[head, src, target].item() == pytest.approx(0.318, abs=0.005)
         seen.add((off_x, off_y))
     assert seen == {(i, j) for i in (-1, 0, 1) for j in (-1, 0, 1)}
     torch.testing.assert_close(p.sum(1), torch.ones(9, 196))

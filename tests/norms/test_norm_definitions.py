@@ -14,7 +14,6 @@ from normexp.norms.derf import Derf
 from normexp.norms.dyt import DyT
 from normexp.norms.group import GroupNorm
 from normexp.norms.instance import InstanceNorm
-from normexp.norms.power import PowerNorm
 from normexp.norms.scale import ScaleNorm
 
 C = 8
@@ -77,85 +76,6 @@ def test_batchnorm_converts_to_syncbn():
     synced[0].bn.running_mean.zero_()
     synced[0].bn.running_var.fill_(1)
     torch.testing.assert_close(synced(x), expected)  # no process group: local batch statistics
-
-
-# --------------------------------------------------------------------------- PowerNorm
-def group_scaled(x: torch.Tensor, groups: int | None) -> torch.Tensor:
-    if not groups:
-        return x
-    xg = x.reshape(*x.shape[:-1], groups, -1)
-    return (xg / torch.sqrt(xg.pow(2).mean(-1, keepdim=True) + 1e-5)).reshape(x.shape)
-
-
-@pytest.mark.parametrize("groups", [1, 2, None])
-@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_powernorm_warmup_then_running_then_eval(shape, groups):
-    m = randomize_affine(PowerNorm(C, warmup_iters=2, scale_groups=groups))
-    batches = [torch.randn(shape) * (i + 1) + 0.5 for i in range(4)]
-    phis = []
-    for step, x in enumerate(batches):
-        xs = group_scaled(x, groups)
-        phi = xs.reshape(-1, C).pow(2).mean(0)
-        if step < 2:  # warm-up: the batch's own quadratic mean; running = cumulative average
-            expected = affine(xs / torch.sqrt(phi + 1e-5), m)
-            phis.append(phi)
-            running = torch.stack(phis).mean(0)
-        else:  # the running value from before this batch, then an EMA update
-            expected = affine(xs / torch.sqrt(running + 1e-5), m)
-            running = 0.9 * running + 0.1 * phi
-        torch.testing.assert_close(m(x), expected)
-        torch.testing.assert_close(m.running_phi, running)
-    assert int(m.num_batches_tracked) == 4
-    m.eval()
-    x = torch.randn(shape)
-    torch.testing.assert_close(m(x), affine(group_scaled(x, groups) / torch.sqrt(running + 1e-5), m))
-    torch.testing.assert_close(m.running_phi, running)  # eval leaves the statistics alone
-    if len(shape) == 4:
-        cf = as_channels_first(PowerNorm, m, scale_groups=groups).eval()
-        torch.testing.assert_close(cf(cl_to_cf(x)), cl_to_cf(m(x)))
-
-
-def test_powernorm_warmup_gradient_flows_through_batch_statistic():
-    m = PowerNorm(C, warmup_iters=10**9, scale_groups=None)
-    x = torch.randn(4, 5, C, dtype=torch.float64, requires_grad=True)
-    m = m.double()
-    assert torch.autograd.gradcheck(lambda t: m.train()(t), (x,))
-
-
-def test_powernorm_approximate_backward():
-    m = PowerNorm(C, warmup_iters=0, scale_groups=None, affine=False)
-    with torch.no_grad():
-        m.running_phi.uniform_(0.5, 2.0)
-    psi2 = m.running_phi.clone()
-    nu = torch.zeros(C)
-    for _ in range(3):
-        x = torch.randn(2, 6, C, requires_grad=True)
-        g = torch.randn(2, 6, C)
-        rstd = torch.rsqrt(psi2 + 1e-5)
-        x_hat = (x * rstd).detach().reshape(-1, C)
-        m(x).backward(g)
-        # dL/dx = (g - nu_{t-1} x_hat) / psi_{t-1}
-        # nu_t = nu_{t-1} (1 - 0.1 mean(x_hat^2)) + 0.1 mean(x_hat g)
-        torch.testing.assert_close(x.grad, ((g.reshape(-1, C) - nu * x_hat) * rstd).view_as(x))
-        nu = nu * (1 - 0.1 * x_hat.pow(2).mean(0)) + 0.1 * (x_hat * g.reshape(-1, C)).mean(0)
-        torch.testing.assert_close(m.running_nu, nu)
-        psi2 = 0.9 * psi2 + 0.1 * x.detach().reshape(-1, C).pow(2).mean(0)
-        torch.testing.assert_close(m.running_phi, psi2)
-    plain = PowerNorm(C, warmup_iters=0, scale_groups=None, affine=False, approx_backward=False)
-    x = torch.randn(2, 6, C, requires_grad=True)
-    plain(x).sum().backward()
-    torch.testing.assert_close(x.grad, torch.ones_like(x) / torch.sqrt(torch.ones(C) + 1e-5))
-
-
-def test_powernorm_step_counter_survives_state_dict():
-    m = PowerNorm(C, warmup_iters=3)
-    for _ in range(2):
-        m(torch.randn(2, 3, C))
-    fresh = PowerNorm(C, warmup_iters=3)
-    fresh(torch.randn(2, 3, C))  # its host counter is now 1
-    fresh.load_state_dict(m.state_dict())
-    fresh(torch.randn(2, 3, C))
-    assert int(fresh.num_batches_tracked) == 3 and fresh._steps == 3
 
 
 # --------------------------------------------------------------------------- InstanceNorm

@@ -147,14 +147,28 @@ def test_paper_recipes():
         (12, "adamw", 1e-4, 1e-4, [8, 11], 500)
     assert t.warmup_lr == pytest.approx(1e-3 * t.lr) and t.decay_norm_and_bias
     assert (cfg.data.min_size, cfg.data.max_size, cfg.data.hflip, cfg.data.batch_size) == (800, 1333, 0.5, 16)
+    assert cfg.data.filter_empty_gt and cfg.data.min_image_size == 32 and t.global_batch == 16
     assert (cfg.task.fpn_channels, cfg.task.levels, cfg.task.anchor_scale) == (256, None, None)
+    # mmdet retinanet_r50_fpn.py train_cfg / test_cfg
+    assert (cfg.task.score_thresh, cfg.task.detections_per_img) == (0.05, 100)
+    assert dict(cfg.task.retinanet) == dict(fg_iou_thresh=0.5, bg_iou_thresh=0.4, topk_candidates=1000,
+                                            nms_thresh=0.5)
     mask = compose_cfg("experiment=mask_rcnn_pvt_1x")
     assert (mask.task.detector, mask.trainer.lr, mask.task.box_head_dim) == ("mask_rcnn", 2e-4, 1024)
     assert mask.trainer.warmup_lr == pytest.approx(1e-3 * mask.trainer.lr)
+    # mmdet mask_rcnn_r50_fpn.py train_cfg / test_cfg
+    assert mask.task.rpn_min_pos_iou == 0.3 and dict(mask.task.mask_rcnn) == dict(
+        rpn_fg_iou_thresh=0.7, rpn_bg_iou_thresh=0.3, rpn_batch_size_per_image=256, rpn_positive_fraction=0.5,
+        rpn_pre_nms_top_n_train=2000, rpn_post_nms_top_n_train=1000, rpn_pre_nms_top_n_test=1000,
+        rpn_post_nms_top_n_test=1000, rpn_nms_thresh=0.7, box_fg_iou_thresh=0.5, box_bg_iou_thresh=0.5,
+        box_batch_size_per_image=512, box_positive_fraction=0.25, box_nms_thresh=0.5,
+        bbox_reg_weights=[10.0, 10.0, 5.0, 5.0])
     swin = compose_cfg("experiment=mask_rcnn_swin_1x")
     assert (swin.backbone.name, swin.trainer.weight_decay, swin.trainer.decay_norm_and_bias) == \
         ("swin_tiny", 0.05, False)
+    assert (swin.trainer.lr, swin.trainer.warmup_lr, swin.backbone.drop_path_rate) == (1e-4, 1e-7, 0.1)
     assert list(swin.data.min_size) == list(range(480, 801, 32))
+    assert dict(swin.task.mask_rcnn) == dict(mask.task.mask_rcnn)  # the same mmdet model config
 
 
 def test_paper_levels_over_a_pyramid_of_four():
@@ -166,8 +180,58 @@ def test_paper_levels_over_a_pyramid_of_four():
         assert (model.backbone.levels, model.backbone.strides) == (levels, strides)
     # RetinaNet's P6 comes from C5 (mmdet's 'on_input'), even when C5 is as wide as the FPN (256 here)
     cfg.task.detector = "retinanet"
-    extra = build_detection_model(cfg, 11).backbone.fpn.extra_blocks
-    assert not extra.use_P5 and extra.p6.in_channels == 256
+    model = build_detection_model(cfg, 11)
+    extra = model.backbone.fpn.extra_blocks
+    assert extra.p6.in_channels == 256
+    c5, p5 = torch.randn(1, 256, 4, 4), torch.randn(1, 256, 4, 4)
+    p, names = extra([p5], [c5], ["p5"])
+    assert names == ["p5", "p6", "p7"] and torch.equal(p[1], extra.p6(c5))
+    assert torch.equal(p[2], extra.p7(p[1]))  # no ReLU before P7 (mmdet relu_before_extra_convs=False)
+
+
+def test_mmdet_initialisation_and_unrounded_anchors():
+    cfg = compose_cfg("experiment=mask_rcnn_pvt_1x", "data=coco_digits", "data.num_train=1")
+    model = build_detection_model(cfg, 11)
+    fpn = model.backbone.fpn
+    convs = [m for m in fpn.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(not m.bias.any() for m in convs)
+    for m in convs:  # Xavier-uniform: |w| <= sqrt(6 / (fan_in + fan_out))
+        fan_in, fan_out = (m.weight.shape[i] * m.weight[0, 0].numel() for i in (1, 0))
+        assert m.weight.abs().max() <= (6 / (fan_in + fan_out)) ** 0.5
+    head = model.roi_heads.box_predictor
+    assert head.cls_score.weight.std().item() == pytest.approx(0.01, rel=0.1)
+    assert head.bbox_pred.weight.std().item() == pytest.approx(0.001, rel=0.1)
+    # RetinaNet: 4 x stride x 2^(k/3) at ratios 0.5 / 1 / 2, not rounded (mmdet 2.x AnchorGenerator)
+    cfg.task.detector = "retinanet"
+    anchors = build_detection_model(cfg, 11).anchor_generator.cell_anchors[0]  # stride 8
+    w = (anchors[:, 2] - anchors[:, 0]).tolist()
+    expected = [32 * 2 ** (k / 3) / r ** 0.5 for r in (0.5, 1.0, 2.0) for k in range(3)]
+    assert w == pytest.approx(expected, abs=1e-4) and any(v != round(v) for v in w)
+
+
+def test_rpn_low_quality_matches_need_iou_0_3():
+    from normexp.models.detection import MinIoUMatcher
+
+    quality = torch.tensor([[0.25, 0.1, 0.0], [0.0, 0.35, 0.2]])  # 2 ground truths x 3 anchors
+    matches = MinIoUMatcher(0.7, 0.3, 0.3)(quality)
+    # gt 0's best anchor (0.25) stays negative; gt 1's (0.35) becomes its match; anchor 2 is negative
+    assert matches.tolist() == [-1, 1, -1]
+
+
+def test_roi_align_is_aligned_on_mmdets_levels():
+    from torchvision.ops import roi_align
+
+    from normexp.models.detection import AlignedRoIAlign
+
+    pool = AlignedRoIAlign(["0", "1", "2", "3"], [4, 8, 16, 32], output_size=7)
+    features = {str(i): torch.randn(1, 2, 128 // s, 128 // s) for i, s in enumerate([4, 8, 16, 32])}
+    boxes = torch.tensor([[0.0, 0.0, 50.0, 50.0], [0.0, 0.0, 120.0, 120.0], [0.0, 0.0, 230.0, 230.0],
+                          [0.0, 0.0, 500.0, 500.0]])
+    out = pool(features, [boxes], [(128, 128)])
+    for i, (level, stride) in enumerate([(0, 4), (1, 8), (2, 16), (3, 32)]):  # sqrt(wh) < 112, < 224, ...
+        rois = torch.cat([torch.zeros(1, 1), boxes[i : i + 1]], dim=1)
+        expected = roi_align(features[str(level)], rois, 7, 1 / stride, sampling_ratio=0, aligned=True)
+        torch.testing.assert_close(out[i : i + 1], expected)
 
 
 def test_unknown_torchvision_option_is_refused(tmp_path):

@@ -1,0 +1,41 @@
+"""No file of the repository cites the project's private notes: a user's clone does not have them. Code,
+configs, tests and docs cite the paper (arXiv id, section / table / equation) or the official code."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# spelled in pieces so that this file does not match itself
+NOTES = tuple(f"{name}.md" for name in ("dtn", "dyt", "params", "protocols", "design")) + ("shared" + "/",)
+# being rewritten in another change; the xfail below fails as soon as they are clean, so this list goes then
+ELSEWHERE = {"normexp/norms/dtn.py", "normexp/norms/dyt.py"}
+
+
+def citing_files() -> set[str]:
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()
+    found = set()
+    for name in listed:
+        path = ROOT / name
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:  # binary files
+            continue
+        if any(note in text for note in NOTES):
+            found.add(name)
+    return found
+
+
+def test_no_file_cites_the_notes():
+    assert citing_files() - ELSEWHERE == set()
+
+
+@pytest.mark.xfail(strict=True, reason="normexp/norms/dtn.py and dyt.py cite the notes (another change)")
+def test_the_files_edited_elsewhere_cite_no_notes_either():
+    assert not citing_files() & ELSEWHERE
