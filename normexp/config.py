@@ -133,7 +133,7 @@ class CocoSchema(LoaderFields):
     root: str | None = None
     train_split: str = "train2017"
     val_split: str = "val2017"
-    min_size: int = _f(800, **rng(1))
+    min_size: Any = 800  # shorter side; a list: one drawn per training image (multi-scale)
     max_size: int = _f(1333, **rng(1))
     mean: list[float] = _f([0.485, 0.456, 0.406])
     std: list[float] = _f([0.229, 0.224, 0.225])

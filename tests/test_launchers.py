@@ -11,8 +11,13 @@ from omegaconf import OmegaConf
 
 
 def test_slurm_launcher_composes_with_our_keys():
+    shown = run_cli("launcher=slurm", "--cfg", "hydra")
+    assert shown.returncode == 0, shown.stderr
+    launcher = OmegaConf.create(shown.stdout).hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert OmegaConf.to_container(launcher)["nodes"] == "${launcher.nodes}"  # our keys drive it
     out = run_cli("launcher=slurm", "launcher.nodes=2", "launcher.partition=gpu", "launcher.account=lab",
-                  "--cfg", "hydra", "--resolve")
+                  "--cfg", "all", "--resolve")
     assert out.returncode == 0, out.stderr
     hydra = OmegaConf.create(out.stdout).hydra
     assert hydra.launcher._target_.endswith("submitit_launcher.SlurmLauncher") and hydra.mode == "MULTIRUN"

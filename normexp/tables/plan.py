@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import UserError
 from ..tracking.provenance import config_hash
 from ..tracking.records import output_root
-from .spec import Point, Scale, TableSpec, expand_blocks
+from .spec import Point, Scale, TableSpec, expand_blocks, get_path
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,10 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
         paper_cfg = _compose(compose, point.overrides, spec.id)
         point.task, point.backbone = paper_cfg.task.name, OmegaConf.select(paper_cfg, "backbone.name")
         point.labels = {key: OmegaConf.select(paper_cfg, key) for key in spec.label_keys}
+        point.paper = resolved(paper_cfg)
         overrides = scale.apply(point.overrides, point.task) + list(extra)
-        overrides, blocked = _resolve_links(overrides, point, scale, seeds, compose, root, linked)
+        overrides, blocked = _resolve_links(overrides, point, spec.link_keys, scale, seeds, compose, root,
+                                            linked)
         cfg = paper_cfg if overrides == point.overrides else _compose(compose, overrides, spec.id)
         if prepare and not blocked:
             cfg = _prepared(cfg)
@@ -173,20 +175,16 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
 
 
 LINK = "table:"
-MODEL_KEYS = ("backbone", "norm")  # overrides that say which model a run trains
 
 
-def _model_overrides(overrides: list[str]) -> set[str]:
-    return {o for o in overrides if o.partition("=")[0].lstrip("+").split(".")[0] in MODEL_KEYS}
-
-
-def _resolve_links(overrides: list[str], point: Point, scale: Scale, seeds: tuple[int, ...],
-                   compose: ComposeFn, root: Path | None,
+def _resolve_links(overrides: list[str], point: Point, keys: tuple[str, ...], scale: Scale,
+                   seeds: tuple[int, ...], compose: ComposeFn, root: Path | None,
                    linked: dict[str, list[tuple[Point, PlannedRun]]]) -> tuple[list[str], str | None]:
     """Replace ``key=table:<id>`` by the record directory of that table's run of the same model and seed.
 
     ``task.pretrained=table:dtn_backbones`` starts a detector from the ImageNet run of ``dtn_backbones``
-    whose backbone and norm overrides are this point's. Until that run has a result, the point is blocked.
+    whose config agrees with this point's on the spec's ``link_keys`` (at paper scale; by default the
+    backbone and norm names). Until that run has a result, the point is blocked.
     """
     out, blocked = [], None
     for override in overrides:
@@ -200,12 +198,11 @@ def _resolve_links(overrides: list[str], point: Point, scale: Scale, seeds: tupl
             from .spec import load_table
 
             linked[other] = plan_table(load_table(other), scale, seeds, compose, root).points
-        mine = _model_overrides(point.overrides)
-        match = next((run for p, run in linked[other]
-                      if p.seed == point.seed and _model_overrides(p.overrides) == mine), None)
+        mine = {k: get_path(point.paper, k) for k in keys}
+        match = next((run for p, run in linked[other] if p.seed == point.seed
+                      and all(get_path(p.paper, k) == v for k, v in mine.items())), None)
         if match is None:
-            raise UserError(f"{key}={value}: table {other} has no run with {' '.join(sorted(mine))} "
-                            f"and seed {point.seed}")
+            raise UserError(f"{key}={value}: table {other} has no run with {mine} and seed {point.seed}")
         if match.done and match.record is not None:
             out.append(f"{key}={match.record.dir}")
         else:

@@ -94,6 +94,7 @@ class TableSpec:
     paper: tuple[dict[str, Any], ...] = ()
     paper_note: str = ""
     notes: str = ""
+    link_keys: tuple[str, ...] = ("backbone.name", "norm.name")
 
     @property
     def label_keys(self) -> tuple[str, ...]:
@@ -122,7 +123,7 @@ class TableSpec:
 
 
 TABLE_KEYS = {"title", "source", "rows", "columns", "metrics", "blocks", "baseline", "labels", "headers",
-              "paper", "paper_note", "notes"}
+              "paper", "paper_note", "notes", "link_keys"}
 METRIC_KEYS = {"key", "label", "value", "fmt", "scale", "delta", "derive"}
 
 
@@ -157,7 +158,8 @@ def load_table(name: str) -> TableSpec:
         rows=tuple(data["rows"]), columns=data.get("columns"), metrics=tuple(metrics),
         blocks=tuple(data["blocks"]), baseline=tuple(data.get("baseline", [])),
         labels=data.get("labels", {}), headers=data.get("headers", {}), paper=tuple(data.get("paper", [])),
-        paper_note=data.get("paper_note", ""), notes=data.get("notes", ""))
+        paper_note=data.get("paper_note", ""), notes=data.get("notes", ""),
+        link_keys=tuple(data.get("link_keys", ("backbone.name", "norm.name"))))
 
 
 # ---------------------------------------------------------------- scales
@@ -205,6 +207,7 @@ class Point:
     labels: dict[str, Any] = field(default_factory=dict)
     task: str | None = None
     backbone: str | None = None  # at paper scale (a scale may run another member)
+    paper: dict[str, Any] = field(default_factory=dict)  # its resolved config at paper scale
 
     @property
     def row_key(self) -> tuple[str, ...]:

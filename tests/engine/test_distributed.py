@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, quick_cfg
+from conftest import ROOT, compose_cfg, quick_cfg
 
 from normexp.data.samplers import ShardedSampler
 from normexp.run import run
@@ -75,9 +75,10 @@ def test_sampler_deals_the_same_global_batches_to_any_number_of_processes():
 
 
 def test_accumulation_is_the_same_global_batch(tmp_path):
-    base = ["trainer.epochs=1", "trainer.warmup_epochs=0", "trainer.log_interval=1", "trainer.smoothing=0"]
-    run(quick_cfg(*base, "data.batch_size=64"), tmp_path / "b64")
-    run(quick_cfg(*base, "data.batch_size=32", "trainer.accum_steps=2"), tmp_path / "b32x2")
+    base = ["logger=none", "trainer.epochs=1", "trainer.warmup_epochs=0", "trainer.log_interval=1",
+            "trainer.smoothing=0", "trainer.progress=false"]
+    run(compose_cfg(*base, "data.batch_size=64"), tmp_path / "b64")
+    run(compose_cfg(*base, "data.batch_size=32", "trainer.accum_steps=2"), tmp_path / "b32x2")
     summary = read_summary(tmp_path / "b32x2")
     assert (summary["global_batch"], summary["accum_steps"]) == (64, 2)
     losses_a, losses_b = step_losses(tmp_path / "b64"), step_losses(tmp_path / "b32x2")

@@ -26,6 +26,10 @@ RECIPES = {
                      "trainer.mixup.cutmix_alpha": 0.0, "data.reprob": 0.0, "data.color_jitter": 0.4,
                      "trainer.ema.enabled": True, "trainer.ema.decay": 0.99996,
                      "backbone.drop_path_rate": 0.1},
+    "dtn_pvt_imagenet": {"trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.lr_base_size": 512,
+                         "trainer.mixup.mixup_alpha": 0.0, "data.reprob": 0.0,
+                         "backbone.num_heads": [4, 4, 5, 8], "backbone.dtn_stages": 3,
+                         "backbone.drop_path_rate": 0.1, "trainer.ema.enabled": True},
     "swin_imagenet": {"trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.lr_base_size": 512,
                       "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 20, "trainer.warmup_lr": 5e-7,
                       "trainer.min_lr": 5e-6, "trainer.clip_grad": 5.0, "trainer.mixup.mixup_alpha": 0.8,
@@ -59,7 +63,8 @@ RECIPES = {
 DROP_PATH = {
     "deit_imagenet": {"vit_*": 0.1}, "swin_imagenet": {"swin_tiny": 0.2}, "pvt_imagenet": {"pvt_tiny": 0.1},
     "levit_imagenet": {"levit_128s": 0.0}, "t2t_imagenet": {"t2t_vit_14": 0.1},
-    "dyt_imagenet": {"vit_small": 0.1, "vit_base": 0.1, "vit_large": 0.4, "convnext_*": 0.5},
+    "dyt_imagenet": {"vit_small": 0.1, "vit_base": 0.1, "vit_large": 0.4, "convnext_tiny": 0.1,
+                     "convnext_base": 0.5, "convnext_large": 0.5},  # ConvNeXt's per-size values
 }
 
 
