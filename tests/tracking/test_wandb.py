@@ -3,7 +3,7 @@ resolved config as a nested dict (so the runs table groups by backbone.name, nor
 
 from __future__ import annotations
 
-import json
+import re
 import time
 
 from conftest import quick_cfg
@@ -18,13 +18,13 @@ def test_table_run_in_wandb(run_dir):
     run(cfg, run_dir)
     (offline,) = list((run_dir / "wandb").glob("offline-run-*"))
     (log_file,) = list(offline.glob("run-*.wandb"))
-    nested = json.dumps({"name": "vit_micro"})[:-1]  # the backbone's nested config, as W&B stores its JSON
-    expected = [b"dyt_squash", b"classification", b"scale:smoke", b"seed:0", b"vit_micro", b"dyt",
-                b'"squash": "tanh"', nested.encode()]
+    # the config as nested JSON per top-level key (compact or spaced, depending on the W&B version)
+    expected = [rb"dyt_squash", rb"classification", rb"scale:smoke", rb"seed:0", rb"vit_micro", rb"dyt",
+                rb'"squash":\s*"tanh"', rb'\{"name":\s*"vit_micro"']
     for _ in range(60):  # W&B's service may still be writing when finish() returns (seen under load)
         data = wandb_log_payload(log_file)
-        if all(e in data for e in expected):
+        if all(re.search(e, data) for e in expected):
             break
         time.sleep(0.5)
     for e in expected:
-        assert e in data, e
+        assert re.search(e, data), e
