@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install demo test test-fast lint format clean-runs
+.PHONY: help install demo test test-fast lint format bench clean-runs
 
 help:
 	@echo "make install    create $(VENV) and install normexp with its dev extras"
@@ -13,6 +13,7 @@ help:
 	@echo "make test       run the whole test suite (slow end-to-end checks included)"
 	@echo "make test-fast  run the tests not marked slow"
 	@echo "make lint       ruff check"
+	@echo "make bench      normalizer and training-step benchmarks at a small size -> results/bench/*.md"
 
 install: $(STAMP)
 
@@ -35,6 +36,12 @@ lint: install
 
 format: install
 	$(VENV)/bin/ruff format .
+
+# ViT-S/B token shapes at batch 8; whole ViT-S steps (batch 8, 224 px) with the references; ~10 min on 2 cores
+bench: install
+	$(PY) scripts/bench_norms.py --batch 8 --rounds 3 --repeats 10 --out results/bench/norms.md
+	$(PY) scripts/bench_train.py --backbone vit_small --norms ln dyt dtn --batch 8 --warmup 2 --steps 2 \
+		--rounds 3 --trainer-steps 3 --out results/bench/train.md
 
 clean-runs:
 	rm -rf outputs multirun
