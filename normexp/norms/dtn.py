@@ -172,9 +172,9 @@ def _mix_backward(g_grid: torch.Tensor, gy: torch.Tensor, xs: torch.Tensor, stat
     With y = (x - mu) rstd, rstd = (var + eps)^-1/2 and G = dL/dy: dL/dx = G rstd = -dL/dmu and
     dL/dvar = -G y rstd / 2, where mu and var are per-head lerps of the inter-token and LN statistics.
     Writes dL/dx into g_grid (an (H, h, w, B, d) view) and returns (dL/dstats (H, h, w, 2, B, d),
-    dL/dout * y for the weight gradient, and sums over each head's channels (4, H, h, w, B) of dL/dvar,
-    dL/dvar * var_in, dL/dx and dL/dx * mu_in (zeros without a mean mix), from which the caller forms the
-    rest).
+    dL/dout * y summed over the batch (H, h, w, d) for the weight gradient, and sums over each head's
+    channels (4, H, h, w, B) of dL/dvar, dL/dvar * var_in, dL/dx and dL/dx * mu_in (zeros without a mean
+    mix), from which the caller forms the rest).
     """
     heads = lam_var.shape[0]
     grid = (stats.shape[2], stats.shape[3])
@@ -195,7 +195,7 @@ def _mix_backward(g_grid: torch.Tensor, gy: torch.Tensor, xs: torch.Tensor, stat
         g_sec = torch.where(var_raw >= 0, g_sec, 0)
         g_mu_in = g_mu_in - 2 * mu_in * g_sec
     sums = torch.stack((g_var.sum(-1), (g_var * var_in).sum(-1), gx.sum(-1), gx_mu.sum(-1)))
-    return torch.stack((g_mu_in, g_sec), dim=3), g_out * y, sums
+    return torch.stack((g_mu_in, g_sec), dim=3), (g_out * y).sum(3), sums
 
 
 _KERNELS = Kernels(prescale_stats=_prescale_stats, prescale_stats_backward=_prescale_stats_backward,
@@ -272,7 +272,7 @@ class _Mix(torch.autograd.Function):
         else:
             g_mu_ln = -token((s_x * lam_mu.view(heads, 1, 1, 1)).sum(0))
             g_lam_mu = (s_x_mu - s_x * mu_g).sum((1, 2, 3))
-        g_weight = g_out_y.sum((1, 2, 3)).reshape(c)
+        g_weight = g_out_y.sum((1, 2)).reshape(c)
         g_bias = gy.sum((0, 1))
         if prefix:  # LN statistics only
             rstd_p = torch.rsqrt(var_ln[:, :prefix, None] + eps)
