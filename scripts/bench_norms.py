@@ -28,6 +28,7 @@ the steady state of a long run.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -165,6 +166,17 @@ class Bench:
         self.result.fwd_bwd_ms.append(time_ms(self.fwd_bwd, self.device, repeats))
 
 
+def cpu_name() -> str:
+    """The CPU model and logical CPU count (from /proc/cpuinfo where there is one)."""
+    name = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("model name")]
+        name = models[0] if models else name
+    return f"{name}, {os.cpu_count()} logical CPUs"
+
+
 def verdict(name: str, shape: str, ratio: float) -> str:
     if name not in TARGETS or TARGETS[name][0] != shape:
         return ""
@@ -194,8 +206,7 @@ def main() -> None:
     norms = args.norms or sorted([*list_norms(), *VARIANTS])
     norms = ["ln", *[n for n in norms if n not in ("ln", FLOOR)], FLOOR]
     compiled_floor = compiler_available(device.type)
-    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"{platform.machine()} {platform.processor() or ''}".strip()
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     floor = ("torch.compile(x * s) forward and backward, one read + write pass each" if compiled_floor else
              "eager x * s forward and backward (torch.compile cannot build kernels here)")
     mem_method = "saved = autograd saved_tensors_hooks bytes (unique storages, excl. params)"

@@ -59,6 +59,9 @@ from normexp.engine.trainer import Trainer  # noqa: E402
 from normexp.models import build_backbone  # noqa: E402
 from normexp.tracking.records import RunRecord  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_norms import cpu_name  # noqa: E402
+
 # our backbone -> timm's model of the same architecture (with its own LayerNorm)
 TIMM_EQUIVALENT = {
     "vit_tiny": "vit_tiny_patch16_224", "vit_small": "vit_small_patch16_224",
@@ -208,9 +211,7 @@ def verdict(ratio: float, target: float, higher_is_better: bool = False) -> str:
 
 
 def header(args: argparse.Namespace, device: torch.device) -> list[str]:
-    machine = f"{platform.machine()} {platform.processor() or ''}".strip()
-    if device.type == "cuda":
-        machine = torch.cuda.get_device_name(device)
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return [f"- machine: {machine}, {torch.get_num_threads()} torch threads, {platform.platform()}",
             f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
             f"timm {timm.__version__}",

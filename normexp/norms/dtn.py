@@ -65,16 +65,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .functional import Kernels, check_data_format, check_kernels, resolve_kernels
+from .functional import RECOMPUTE, Kernels, check_data_format, check_kernels, resolve_kernels
 from .layout import TokenLayout
 from .registry import register_norm
 
 # ----------------------------------------------------------------------------- kernels
 # Plain torch ops on whole tensors, used three ways (see ``DTN.kernels``): called directly, with autograd
 # deriving the backward; inside _PrescaleStats / _Mix with their hand-written backward, op by op; or the
-# same with each function compiled by torch.compile into a few fused loops. Outputs are written into
-# preallocated buffers (``out[...] = ...``) so that the prefix and grid tokens of one tensor need no cat
-# and a channels-first map is written in its own layout.
+# same with each function compiled by torch.compile into a few fused loops. Grid-token results are written
+# through (H, h, w, B, d) views into preallocated (B, N, C) buffers: the prefix tokens (LN statistics only,
+# a few small ops) need no cat, and a channels-first map is written in its own layout.
 
 def _prescale_stats(x: torch.Tensor, heads: int, eps: float, prefix: int, moments_grid: tuple[int, int] | None
                     ) -> tuple[torch.Tensor, ...]:
@@ -198,8 +198,9 @@ def _mix_backward(g_grid: torch.Tensor, gy: torch.Tensor, xs: torch.Tensor, stat
     return torch.stack((g_mu_in, g_sec), dim=3), (g_out * y).sum(3), sums
 
 
-_KERNELS = Kernels(prescale_stats=_prescale_stats, prescale_stats_backward=_prescale_stats_backward,
-                   moments_backward=_moments_backward, mix=_mix, mix_backward=_mix_backward)
+_KERNELS = Kernels(RECOMPUTE, prescale_stats=_prescale_stats,
+                   prescale_stats_backward=_prescale_stats_backward, moments_backward=_moments_backward,
+                   mix=_mix, mix_backward=_mix_backward)
 
 
 class _PrescaleStats(torch.autograd.Function):

@@ -44,6 +44,10 @@ COMPILE_MIN_NUMEL = 2**19
 
 # C++ kernels may fuse a*b+c into one FMA (more accurate, and it halves the arithmetic of polynomials)
 _COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
+# Inductor options for kernels whose intermediate values have several consumers: recompute them in each
+# loop rather than store and re-read them (extra arithmetic is nearly free there, extra passes are not)
+RECOMPUTE = {"realize_reads_threshold": 100, "realize_opcount_threshold": 1000,
+             "realize_acc_reads_threshold": 100}
 
 log = logging.getLogger(__name__)
 _compile_failed: set[str] = set()
@@ -95,8 +99,9 @@ class Kernels:
     runs the same functions op by op.
     """
 
-    def __init__(self, **functions: Callable[..., Any]) -> None:
+    def __init__(self, options: dict[str, Any] | None = None, **functions: Callable[..., Any]) -> None:
         self.eager = SimpleNamespace(**functions)
+        self.options = {**_COMPILE_OPTIONS, **(options or {})}  # inductor options
         self._compiled: SimpleNamespace | None = None
 
     def get(self, mode: str) -> SimpleNamespace:
@@ -104,7 +109,7 @@ class Kernels:
         if mode != "compiled":
             return self.eager
         if self._compiled is None:
-            compiled = {name: _with_fallback(torch.compile(fn, options=_COMPILE_OPTIONS), fn)
+            compiled = {name: _with_fallback(torch.compile(fn, options=self.options), fn)
                         for name, fn in vars(self.eager).items()}
             self._compiled = SimpleNamespace(**compiled)
         return self._compiled
