@@ -83,7 +83,9 @@ def _prescale_stats(x: torch.Tensor, heads: int, eps: float, prefix: int, moment
     b, n, c = x.shape
     xh = x.view(b, n, heads, c // heads)
     rms = torch.rsqrt(xh.square().mean(-1, keepdim=True) + eps)
-    xs = xh * rms
+    # token-major whatever x's layout (a residual stream that began as a transposed patch embedding
+    # has token stride 1): every later kernel reads xs channel-contiguous
+    xs = (xh * rms).contiguous()
     mu = xs.mean((2, 3))
     var = (xs.square().mean((2, 3)) - mu.square()).clamp_min(0) * (c / (c - 1))  # unbiased, as torch.var
     moments = None

@@ -359,6 +359,7 @@ def test_buffer_moves_and_half_precision_input():
 FUSED_CASES = {  # (input shape, data format, grid, prefix, pool_size, only_var, separable)
     "tokens": ((2, 12, 12), "channels_last", (4, 3), 0, 14, False, True),
     "class_token": ((2, 13, 12), "channels_last", (4, 3), 1, 14, False, True),
+    "tokens_token_stride_1": ((2, 12, 12), "channels_last", (3, 4), 0, 14, False, True),  # transposed input
     "two_prefix_only_var": ((2, 18, 12), "channels_last", (4, 4), 2, 14, True, True),
     "dense": ((2, 13, 12), "channels_last", (3, 4), 1, 14, False, False),
     "pooled_prefix": ((2, 31, 12), "channels_last", (6, 5), 1, 3, False, True),  # 6 -> 3, 5 -> 3
@@ -375,6 +376,8 @@ def fused_and_autograd(case: str, seed: int = 0) -> list[list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5
     g = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if case.endswith("stride_1"):  # as a residual stream that began as a transposed patch embedding
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
     ref = randomize(DTN(12, num_heads=3, layout=layout, data_format=fmt, pool_size=pool, only_var=only_var,
                         separable=separable), seed).double()
     results = []
@@ -393,6 +396,7 @@ def fused_and_autograd(case: str, seed: int = 0) -> list[list[torch.Tensor]]:
 def test_fused_path_matches_autograd_float64(case):
     # the fused Functions' hand-written backward against autograd through the same equations
     fused, plain = fused_and_autograd(case)
+    assert fused[0].is_contiguous()  # in the input's own format, whatever the input's strides
     for a, b in zip(fused, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
