@@ -16,11 +16,11 @@ Ablation options (paper Tables 7-8):
 
 * ``"autograd"``: the definition in plain ops, autograd derives the backward.
 * ``"compiled"``: one autograd Function whose forward (one pass: ``y``) and backward (one pass: dL/dx, the
-  alpha gradient and ``dL/dy * squash``, whose channel sums give the gamma gradient) are each compiled by
-  ``torch.compile`` into a fused loop; it saves only the input. There tanh is the rational function
-  :func:`fast_tanh` (within 2e-8 of tanh; float32 evaluation stays within 4e-7, i.e. a few float32 ulps),
-  because the library tanh of the compiled CPU code costs about four memory passes; the sigmoid is
-  ``(1 + tanh(z / 2)) / 2`` with the same tanh.
+  alpha gradient and ``dL/dy * squash``; the gamma and beta gradients are then its and dL/dy's channel
+  sums) are each compiled by ``torch.compile`` into a fused loop; it saves only the input. There tanh is
+  the rational function :func:`fast_tanh` (within 2e-8 of tanh; float32 evaluation stays within 4e-7, a
+  few float32 ulps), because the library tanh in compiled CPU code costs several times a memory pass; the
+  sigmoid is ``(1 + tanh(z / 2)) / 2`` with the same tanh.
 * ``"eager"``: the same Function and kernels, run op by op (slow; for testing the kernels uncompiled).
 * ``"auto"``: ``"compiled"`` for inputs of at least ``COMPILE_MIN_NUMEL`` elements where torch.compile
   works, else ``"autograd"``; inside an outer ``torch.compile`` always ``"autograd"``.
