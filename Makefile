@@ -11,7 +11,7 @@ LAUNCHER ?=
 TABLES := $(sort $(basename $(notdir $(wildcard configs/table/*.yaml))))
 TABLE_ARGS = --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(LAUNCHER),--launcher $(LAUNCHER))
 
-.PHONY: help install demo test test-fast lint format clean-runs tables dashboard $(addprefix table-,$(TABLES))
+.PHONY: help install demo test test-fast lint format clean-runs tables dashboard bench $(addprefix table-,$(TABLES))
 
 help:
 	@echo "make install    create $(VENV) and install normexp with its dev extras"
@@ -23,6 +23,7 @@ help:
 	@echo "                [LAUNCHER=slurm]; tables: $(TABLES)"
 	@echo "make tables     every table (one after another; the others go on when one has a failed run)"
 	@echo "make dashboard  import every run record into MLflow and serve its UI on http://127.0.0.1:5000"
+	@echo "make bench      normalizer and training-step benchmarks at a small size -> results/bench/*.md"
 
 install: $(STAMP)
 
@@ -54,6 +55,12 @@ tables: install
 
 dashboard: install
 	$(PY) -m normexp dashboard
+
+# ViT-S/B token shapes at batch 8; whole ViT-S steps (batch 8, 224 px) with the references; ~10 min on 2 cores
+bench: install
+	$(PY) scripts/bench_norms.py --batch 8 --rounds 3 --repeats 10 --out results/bench/norms.md
+	$(PY) scripts/bench_train.py --backbone vit_small --norms ln dyt dtn --batch 8 --warmup 2 --steps 2 \
+		--rounds 3 --trainer-steps 3 --out results/bench/train.md
 
 clean-runs:
 	rm -rf outputs multirun

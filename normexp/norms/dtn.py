@@ -1,16 +1,17 @@
-"""Dynamic Token Normalization (Shao et al., ICLR 2022), following the official module (dtn.md 1.2, 5).
+"""Dynamic Token Normalization (Shao et al., ICLR 2022, arXiv 2112.02624), following the official module
+(github.com/wqshao126/DTN, ``models/normkit/norms/dtn.py``).
 
 For input tokens x (T x C) with H heads (head h owns channels [h*d, (h+1)*d), d = C/H):
 
 0. RMS pre-scaling per token and head: ``x <- x_h / sqrt(mean_j x_hj^2 + eps)`` ("l2 normalize for
-   stability" in the official code; dtn.md 1.2 step 0).
+   stability" in the official code).
 1. Intra-token (LN) statistics over *all* C channels of each token: mean and **unbiased** variance
-   (``torch.var`` in the official code, dtn.md 1.3), broadcast to every head.
+   (``torch.var`` in the official code), broadcast to every head.
 2. Inter-token statistics per head with a position-aware matrix ``P^h`` (T' x T', columns sum to 1):
    ``mu_in = z @ P^h``, ``var_in = (z*z) @ P^h - mu_in^2`` (clamped at 0), where
    ``P^h[p, q] = softmax_p(pos_proj([dx, dy, dx^2 + dy^2])_h)`` is normalised over the *source* token p for
    each target token q, and ``dx = col(q) - col(p)``, ``dy = row(q) - row(p)`` (official column order and
-   sign, dtn.md 1.2 ``get_rel_indices``).
+   sign, official ``get_rel_indices``).
 3. Mixing with two separate per-head weights ``lam = sigmoid(theta)`` (theta init 0 -> 0.5), one for the
    mean and one for the variance: ``mu = lam_mu*mu_ln + (1-lam_mu)*mu_in`` (same for var).
 4. ``y = gamma * (x - mu) / sqrt(var + eps) + beta``. With ``only_var`` (official ``dtn_var``) the mean is
@@ -27,7 +28,8 @@ Choices this implementation makes (the official code only handles a 14x14 grid w
   and mu_in / var_in are nearest-upsampled back (official ``dtn_pool``; ``pool_size=None`` never pools).
 * Prefix tokens (class / distillation tokens, which precede the grid tokens in (B, N, C) input) are not
   on the grid, so they get intra-token (LN) statistics only, i.e. lambda = 1 for them. The official code
-  never feeds them to DTN (dtn.md 1.4); this keeps DTN usable in layers that do see them.
+  never feeds them to DTN (its ViT adds the class token after the DTN blocks); this keeps DTN usable in
+  layers that do see them.
 * ``P^h`` is built once per layer and forward ([H, T', T'], shared by the batch). Its logits are
   ``a0*dx + a1*dy + a2*(dx^2 + dy^2) + b``, a sum of a column term and a row term, so the softmax over the
   source tokens of the grid factorises exactly: ``P^h = Py^h (x) Px^h`` (Kronecker product of a softmax
@@ -36,17 +38,21 @@ Choices this implementation makes (the official code only handles a 14x14 grid w
   T'/(H'+W') fewer FLOPs. ``separable=False`` uses the dense matrix, as the official code does.
 * The mean and the second moment go through the same matmuls (z and z*z concatenated), laid out
   (H, h, w, B, d) so that each contraction is one large GEMM per head.
-* In eager mode steps 3-4 (mixing, standardising, affine) are one autograd Function with a hand-written
-  backward (fewer full-size temporaries, no layout copies); under ``torch.compile`` (or with
-  ``custom_backward = False``) the same math runs as plain ops. Both are tested against each other, against
-  a per-token loop reference of the equations and with ``gradcheck``.
+* ``kernels``: steps 0-1 and 3-4 are two autograd Functions with hand-written backward passes that save
+  their inputs only and recompute the rest (the layer saves xs, the moments and the statistics, no
+  normalised copies), run op by op (``"eager"``) or with each kernel compiled by ``torch.compile`` into a
+  few fused loops (``"compiled"``); ``"autograd"`` runs the same functions as plain ops and lets autograd
+  derive the backward (what an outer ``torch.compile`` always traces). ``"auto"`` compiles inputs of at
+  least ``COMPILE_MIN_NUMEL`` elements where a compiler works and is ``"autograd"`` otherwise (faster than
+  the op-by-op Function on small tensors). All are tested against each other, against a per-token loop
+  reference of the equations and with ``gradcheck``.
 * The grid comes from the input shape for (B, H, W, C) / (B, C, H, W) maps and from ``layout.grid`` for
   (B, N, C) tokens; then N must be H*W or P + H*W with P prefix tokens (``num_prefix_tokens`` if given,
   else ``layout.num_prefix_tokens``), so a stage can share one layout across layers with and without the
   class token (official ViT: the class token joins at block 10). Without a grid DTN raises; it never
   guesses one from N.
-* Statistics are computed in float32 with autocast disabled (``E[z^2] - E[z]^2`` is fragile in half
-  precision, dtn.md 4 item 8); the output is cast back to the input dtype.
+* Statistics are computed in float32 with autocast disabled (``E[z^2] - E[z]^2`` cancels badly in half
+  precision); the output is cast back to the input dtype.
 """
 
 from __future__ import annotations
@@ -57,141 +63,239 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
-from .functional import check_data_format
+from .functional import RECOMPUTE, Kernels, check_data_format, check_kernels, resolve_kernels
 from .layout import TokenLayout
 from .registry import register_norm
 
+# ----------------------------------------------------------------------------- kernels
+# Plain torch ops on whole tensors, used three ways (see ``DTN.kernels``): called directly, with autograd
+# deriving the backward; inside _PrescaleStats / _Mix with their hand-written backward, op by op; or the
+# same with each function compiled by torch.compile into a few fused loops. Grid-token results are written
+# through (H, h, w, B, d) views into preallocated (B, N, C) buffers: the prefix tokens (LN statistics only,
+# a few small ops) need no cat, and a channels-first map is written in its own layout.
 
-def _head_major(t: torch.Tensor, prefix: int, grid: tuple[int, int]) -> torch.Tensor:
-    """(H, B, h, w, d) view of the grid tokens of a (B, N, H, d) tensor (no copy)."""
-    b, _, nh, d = t.shape
-    return t[:, prefix:].view(b, grid[0], grid[1], nh, d).permute(3, 0, 1, 2, 4)
-
-
-def _mix_standardize(x: torch.Tensor, mu_in: torch.Tensor, second: torch.Tensor, mu_ln: torch.Tensor,
-                     var_ln: torch.Tensor, lam_mu: torch.Tensor | None, lam_var: torch.Tensor,
-                     weight: torch.Tensor, bias: torch.Tensor, eps: float, prefix: int,
-                     from_moments: bool) -> torch.Tensor:
-    """Steps (3)-(4) of DTN in plain autograd ops; the same computation as :class:`_MixStandardize`."""
-    b, n, nh, d = x.shape
-    grid = (mu_in.shape[2], mu_in.shape[3])
-    heads = (nh, 1, 1, 1, 1)
-    mu_ln_g = mu_ln[:, prefix:].view(1, b, *grid, 1)
-    var_ln_g = var_ln[:, prefix:].view(1, b, *grid, 1)
-    var_in = torch.addcmul(second, mu_in, mu_in, value=-1.0).clamp_min(0) if from_moments else second
-    var = torch.lerp(var_in, var_ln_g, lam_var.view(heads))
-    mu = mu_ln_g if lam_mu is None else torch.lerp(mu_in, mu_ln_g, lam_mu.view(heads))
-    y = (_head_major(x, prefix, grid) - mu) * torch.rsqrt(var + eps)
-    y = y.permute(1, 2, 3, 0, 4).reshape(b, n - prefix, nh, d)
-    if prefix:  # prefix tokens: LN statistics only
-        mu_p, var_p = mu_ln[:, :prefix, None, None], var_ln[:, :prefix, None, None]
-        y = torch.cat(((x[:, :prefix] - mu_p) * torch.rsqrt(var_p + eps), y), dim=1)
-    return torch.addcmul(bias.view(nh, d), y, weight.view(nh, d))
+def _prescale_stats(x: torch.Tensor, heads: int, eps: float, prefix: int, moments_grid: tuple[int, int] | None
+                    ) -> tuple[torch.Tensor, ...]:
+    """Steps (0)-(1): x (B, N, C) -> xs (B, N, C) pre-scaled per head, its factors rms (B, N, H, 1),
+    mu_ln, var_ln (B, N) and, for ``moments_grid`` (h, w), the grid tokens' moments :func:`_moments`."""
+    b, n, c = x.shape
+    xh = x.view(b, n, heads, c // heads)
+    rms = torch.rsqrt(xh.square().mean(-1, keepdim=True) + eps)
+    # token-major whatever x's layout (a residual stream that began as a transposed patch embedding
+    # has token stride 1): every later kernel reads xs channel-contiguous
+    xs = (xh * rms).contiguous()
+    mu = xs.mean((2, 3))
+    var = (xs.square().mean((2, 3)) - mu.square()).clamp_min(0) * (c / (c - 1))  # unbiased, as torch.var
+    moments = None
+    if moments_grid is not None:
+        moments = _moments(xs[:, prefix:].reshape(b, *moments_grid, heads, c // heads))
+    return xs.view(b, n, c), rms, mu, var, moments
 
 
-class _MixStandardize(torch.autograd.Function):
-    """Steps (3)-(4) of DTN with a hand-written backward.
+def _moments(z: torch.Tensor) -> torch.Tensor:
+    """Grid tokens (B, h, w, H, d) -> (H, h, w, 2B, d): z and z*z side by side, laid out so that the mean and
+    the second moment share the position matmuls and each head's is one large GEMM."""
+    z = z.permute(3, 1, 2, 0, 4)
+    return torch.cat((z, z * z), dim=3)
 
-    Forward: ``mu = lerp(mu_in, mu_ln, lam_mu)``, ``var = lerp(var_in, var_ln, lam_var)`` per head on the grid
-    tokens (LN statistics only on the prefix tokens), ``y = (x - mu) / sqrt(var + eps)``, output
-    ``y * weight + bias``. With ``from_moments`` the second statistic is ``E_P[z^2]`` and
-    ``var_in = max(E_P[z^2] - mu_in^2, 0)`` is formed here too.
 
-    Why by hand: autograd's generic backward of these broadcasting ops reduces over non-contiguous
-    broadcast dims and allocates about three times as many full-size temporaries (it dominated the layer's
-    time); this keeps the token-major output without a permute copy and saves only y, rstd, mu_in/second.
+def _moments_backward(g_grid: torch.Tensor, g_moments: torch.Tensor, z: torch.Tensor) -> None:
+    """Adds the gradient through :func:`_moments` to g_grid: dL/dz += dL/dmean + 2 z dL/dsecond.
+    g_grid, z: (H, h, w, B, d) views; g_moments: (H, h, w, 2B, d)."""
+    b = z.shape[3]
+    g_grid.copy_(g_grid + g_moments[:, :, :, :b] + 2 * z * g_moments[:, :, :, b:])
 
-    Shapes: x (B, N, H, d) token-major; mu_in, second (H, B, h, w, d) head-major; mu_ln, var_ln (B, N);
-    lam_mu (H,) or None (only_var); lam_var (H,); weight, bias (C,).
+
+def _prescale_stats_backward(g_xs: torch.Tensor, g_mu: torch.Tensor, g_var: torch.Tensor, xs: torch.Tensor,
+                             rms: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """dL/dx from the gradients of the outputs xs, mu_ln, var_ln of :func:`_prescale_stats`."""
+    b, n, c = xs.shape
+    xh = xs.view(b, n, rms.shape[2], -1)
+    # var = (E[xs^2] - mu^2) c/(c-1), clamped at 0: d var / d xs = 2 (xs - mu) / (c - 1) where not clamped
+    keep = xh.square().mean((2, 3)) - mu.square() >= 0
+    g_var = torch.where(keep, g_var, 0) * (2 / (c - 1))
+    mu = mu.view(b, n, 1, 1)
+    g = g_xs.view(b, n, *xh.shape[2:]) + g_mu.view(b, n, 1, 1) / c + g_var.view(b, n, 1, 1) * (xh - mu)
+    # xs = x rms with rms = (mean_d x^2 + eps)^-1/2:  dL/dx = rms (g - xs mean_d(g xs))
+    return (rms * (g - xh * (g * xh).mean(-1, keepdim=True))).view(b, n, c)
+
+
+def _head_major(t: torch.Tensor, prefix: int, grid: tuple[int, int], heads: int) -> torch.Tensor:
+    """(H, h, w, B, d) view of the grid tokens of a (B, N, C) tensor (no copy)."""
+    b = t.shape[0]
+    return t[:, prefix:].reshape(b, *grid, heads, -1).permute(3, 1, 2, 0, 4)
+
+
+def _mix_terms(xs: torch.Tensor, stats: torch.Tensor, mu_ln: torch.Tensor, var_ln: torch.Tensor,
+               lam_mu: torch.Tensor | None, lam_var: torch.Tensor, eps: float, prefix: int, from_moments: bool
+               ) -> tuple[torch.Tensor, ...]:
+    """Per-element terms of steps (3)-(4) on the grid tokens, in the (H, h, w, B, d) order of the position
+    matmuls (the statistics are read in their own layout, xs and the outputs through views):
+    (y = (x - mu) rstd, rstd, var_in, E_P[z^2] - mu_in^2 or None, mu_in, mu_ln, var_ln)."""
+    heads = lam_var.shape[0]
+    grid = (stats.shape[2], stats.shape[3])
+    mu_in, sec = stats[0].permute(3, 1, 2, 0, 4), stats[1].permute(3, 1, 2, 0, 4)
+    mu_g = mu_ln[:, prefix:].reshape(-1, *grid).permute(1, 2, 0)[None, ..., None]  # (1, h, w, B, 1)
+    var_g = var_ln[:, prefix:].reshape(-1, *grid).permute(1, 2, 0)[None, ..., None]
+    var_raw = sec - mu_in * mu_in if from_moments else None
+    var_in = var_raw.clamp_min(0) if from_moments else sec  # E[z^2] - E[z]^2 >= 0
+    rstd = torch.rsqrt(var_in + lam_var.view(heads, 1, 1, 1, 1) * (var_g - var_in) + eps)
+    mu = mu_g if lam_mu is None else mu_in + lam_mu.view(heads, 1, 1, 1, 1) * (mu_g - mu_in)
+    y = (_head_major(xs, prefix, grid, heads) - mu) * rstd
+    return y, rstd, var_in, var_raw, mu_in, mu_g, var_g
+
+
+def _mix(out_grid: torch.Tensor, xs: torch.Tensor, stats: torch.Tensor, mu_ln: torch.Tensor,
+         var_ln: torch.Tensor, lam_mu: torch.Tensor | None, lam_var: torch.Tensor, weight: torch.Tensor,
+         bias: torch.Tensor, eps: float, prefix: int, from_moments: bool) -> None:
+    """Steps (3)-(4) on the grid tokens, written into out_grid (the (H, h, w, B, d) view of the output).
+
+    They mix ``stats`` (2, B, h, w, H, d) -- mu_in and E_P[z^2] (``from_moments``) or var_in -- with the LN
+    statistics mu_ln, var_ln (B, N) per head (prefix tokens: :func:`_ln_prefix`).
     """
+    heads = lam_var.shape[0]
+    y = _mix_terms(xs, stats, mu_ln, var_ln, lam_mu, lam_var, eps, prefix, from_moments)[0]
+    out_grid.copy_(y * weight.view(heads, 1, 1, 1, -1) + bias.view(heads, 1, 1, 1, -1))
+
+
+def _ln_prefix(xs: torch.Tensor, mu_ln: torch.Tensor, var_ln: torch.Tensor, eps: float) -> torch.Tensor:
+    """Prefix tokens (B, P, C) standardised with their LN statistics only (before the affine)."""
+    return (xs - mu_ln[..., None]) * torch.rsqrt(var_ln[..., None] + eps)
+
+
+def _mix_backward(g_grid: torch.Tensor, gy: torch.Tensor, xs: torch.Tensor, stats: torch.Tensor,
+                  mu_ln: torch.Tensor, var_ln: torch.Tensor, lam_mu: torch.Tensor | None,
+                  lam_var: torch.Tensor, weight: torch.Tensor, eps: float, prefix: int,
+                  from_moments: bool) -> tuple[torch.Tensor, ...]:
+    """The per-element part of the backward of :func:`_mix` on the grid tokens, in one pass.
+
+    With y = (x - mu) rstd, rstd = (var + eps)^-1/2 and G = dL/dy: dL/dx = G rstd = -dL/dmu and
+    dL/dvar = -G y rstd / 2, where mu and var are per-head lerps of the inter-token and LN statistics.
+    Writes dL/dx into g_grid (an (H, h, w, B, d) view) and returns (dL/dstats (H, h, w, 2, B, d),
+    dL/dout * y summed over the batch (H, h, w, d) for the weight gradient, and sums over each head's
+    channels (4, H, h, w, B) of dL/dvar, dL/dvar * var_in, dL/dx and dL/dx * mu_in (zeros without a mean
+    mix), from which the caller forms the rest).
+    """
+    heads = lam_var.shape[0]
+    grid = (stats.shape[2], stats.shape[3])
+    y, rstd, var_in, var_raw, mu_in, _, _ = _mix_terms(xs, stats, mu_ln, var_ln, lam_mu, lam_var, eps, prefix,
+                                                       from_moments)
+    g_out = _head_major(gy, prefix, grid, heads)
+    gx = g_out * weight.view(heads, 1, 1, 1, -1) * rstd
+    g_var = -0.5 * gx * y * rstd
+    g_grid.copy_(gx)
+    if lam_mu is None:  # only_var: the mean is the LN mean
+        g_mu_in = torch.zeros_like(gx)
+        gx_mu = g_mu_in
+    else:
+        g_mu_in = gx * (lam_mu.view(heads, 1, 1, 1, 1) - 1)
+        gx_mu = gx * mu_in
+    g_sec = g_var * (1 - lam_var.view(heads, 1, 1, 1, 1))
+    if from_moments:  # var_in = max(E[z^2] - mu_in^2, 0)
+        g_sec = torch.where(var_raw >= 0, g_sec, 0)
+        g_mu_in = g_mu_in - 2 * mu_in * g_sec
+    sums = torch.stack((g_var.sum(-1), (g_var * var_in).sum(-1), gx.sum(-1), gx_mu.sum(-1)))
+    return torch.stack((g_mu_in, g_sec), dim=3), (g_out * y).sum(3), sums
+
+
+_KERNELS = Kernels(RECOMPUTE, prescale_stats=_prescale_stats,
+                   prescale_stats_backward=_prescale_stats_backward, moments_backward=_moments_backward,
+                   mix=_mix, mix_backward=_mix_backward)
+
+
+class _PrescaleStats(torch.autograd.Function):
+    """Steps (0)-(1) (and the grid moments) with a hand-written backward; saves xs, rms and mu_ln only."""
 
     @staticmethod
-    def _var_in(mu_in: torch.Tensor, second: torch.Tensor,
-                from_moments: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(var_in, mask of where the clamp passes gradients, or None when second is var_in already)."""
-        if not from_moments:
-            return second, None
-        var_in = torch.addcmul(second, mu_in, mu_in, value=-1.0)
-        keep = var_in >= 0
-        return var_in.clamp_min_(0), keep  # E[z^2] - E[z]^2 >= 0
+    def forward(ctx: Any, x: torch.Tensor, heads: int, eps: float, prefix: int,
+                moments_grid: tuple[int, int] | None, kernels: Any) -> tuple[torch.Tensor, ...]:
+        xs, rms, mu, var, moments = kernels.prescale_stats(x, heads, eps, prefix, moments_grid)
+        ctx.save_for_backward(xs, rms, mu)
+        ctx.prefix, ctx.moments_grid, ctx.kernels = prefix, moments_grid, kernels
+        return (xs, mu, var) if moments is None else (xs, mu, var, moments)
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mu_in: torch.Tensor, second: torch.Tensor, mu_ln: torch.Tensor,
-                var_ln: torch.Tensor, lam_mu: torch.Tensor | None, lam_var: torch.Tensor,
-                weight: torch.Tensor, bias: torch.Tensor, eps: float, prefix: int,
-                from_moments: bool) -> torch.Tensor:
-        b, n, nh, d = x.shape
-        grid = (mu_in.shape[2], mu_in.shape[3])
-        mu_ln_g = mu_ln[:, prefix:].view(1, b, *grid, 1)
-        var_ln_g = var_ln[:, prefix:].view(1, b, *grid, 1)
-        var_in, _ = _MixStandardize._var_in(mu_in, second, from_moments)
-        rstd = torch.lerp(var_in, var_ln_g, lam_var.view(nh, 1, 1, 1, 1)).add_(eps).rsqrt_()
-        mu = mu_ln_g if lam_mu is None else torch.lerp(mu_in, mu_ln_g, lam_mu.view(nh, 1, 1, 1, 1))
-        y = torch.empty_like(x)
-        y_g = _head_major(y, prefix, grid)
-        torch.sub(_head_major(x, prefix, grid), mu, out=y_g)  # written straight into token-major y
-        y_g.mul_(rstd)
-        if prefix:  # prefix tokens: LN statistics only
-            rstd_p = torch.rsqrt(var_ln[:, :prefix] + eps)[..., None, None]
-            torch.sub(x[:, :prefix], mu_ln[:, :prefix, None, None], out=y[:, :prefix])
-            y[:, :prefix].mul_(rstd_p)
-        # mu_in and second share one storage (chunks of one matmul output): saving second costs nothing,
-        # var_in is recomputed in backward
-        ctx.save_for_backward(y, rstd, mu_in, second, mu_ln, var_ln, lam_mu, lam_var, weight)
-        ctx.eps, ctx.prefix, ctx.from_moments = eps, prefix, from_moments
-        return torch.addcmul(bias.view(nh, d), y, weight.view(nh, d))
+    @once_differentiable
+    def backward(ctx: Any, g_xs: torch.Tensor, g_mu: torch.Tensor, g_var: torch.Tensor,
+                 g_moments: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+        xs, rms, mu = ctx.saved_tensors
+        if g_moments is not None:  # the grid tokens also feed the moments
+            heads = rms.shape[2]
+            g_xs = g_xs.clone(memory_format=torch.contiguous_format)
+            ctx.kernels.moments_backward(_head_major(g_xs, ctx.prefix, ctx.moments_grid, heads), g_moments,
+                                         _head_major(xs, ctx.prefix, ctx.moments_grid, heads))
+        g_x = ctx.kernels.prescale_stats_backward(g_xs, g_mu, g_var, xs, rms, mu)
+        return g_x, None, None, None, None, None
+
+
+class _Mix(torch.autograd.Function):
+    """Steps (3)-(4) with a hand-written backward; saves its inputs only (y and rstd are recomputed)."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        y, rstd, mu_in, second, mu_ln, var_ln, lam_mu, lam_var, weight = ctx.saved_tensors
-        eps, prefix = ctx.eps, ctx.prefix
-        var_in, keep = _MixStandardize._var_in(mu_in, second, ctx.from_moments)
-        b, n, nh, d = y.shape
-        grid = (mu_in.shape[2], mu_in.shape[3])
-        heads = (nh, 1, 1, 1)
-        grad = grad.contiguous()
-        g_bias = grad.sum((0, 1)).view(-1)
-        g_weight = (grad * y).sum((0, 1)).view(-1)
-        gy = grad * weight.view(nh, d)  # dL/dy
-        gx = torch.empty_like(gy)
+    def forward(ctx: Any, xs: torch.Tensor, stats: torch.Tensor, mu_ln: torch.Tensor, var_ln: torch.Tensor,
+                lam_mu: torch.Tensor | None, lam_var: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                eps: float, prefix: int, from_moments: bool, map_size: tuple[int, int] | None,
+                kernels: Any) -> torch.Tensor:
+        out = _output_buffer(xs, map_size)
+        grid, heads = (stats.shape[2], stats.shape[3]), lam_var.shape[0]
+        kernels.mix(_head_major(out, prefix, grid, heads), xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight,
+                    bias, eps, prefix, from_moments)
+        if prefix:
+            y_p = _ln_prefix(xs[:, :prefix], mu_ln[:, :prefix], var_ln[:, :prefix], eps)
+            torch.addcmul(bias, y_p, weight, out=out[:, :prefix])
+        ctx.save_for_backward(xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight)
+        ctx.config, ctx.kernels = (eps, prefix, from_moments), kernels
+        return out
 
-        # grid tokens, head-major views. y = (x - mu) * r with r = (var + eps)^-1/2:
-        # dL/dx = gy r;  dL/dmu = -gy r;  dL/dvar = -1/2 gy y r^2
-        gx_g = _head_major(gx, prefix, grid)
-        torch.mul(_head_major(gy, prefix, grid), rstd, out=gx_g)
-        g_var = (gx_g * _head_major(y, prefix, grid)).mul_(rstd).mul_(-0.5)
-        g_var_d = g_var.sum(-1)
-        var_ln_g = var_ln[:, prefix:].view(1, b, *grid)
-        g_var_ln = (g_var_d * lam_var.view(heads)).sum(0)
-        g_lam_var = (g_var_d * var_ln_g).sum((1, 2, 3)) - (g_var * var_in).sum((1, 2, 3, 4))
-        g_second = g_var.mul_((1 - lam_var).view(nh, 1, 1, 1, 1))  # dL/dvar_in
-        if keep is not None:
-            g_second.masked_fill_(~keep, 0)  # through the clamp: now dL/dE[z^2]
-        g_x_d = gx_g.sum(-1)  # = -dL/dmu summed over the head's channels
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight = ctx.saved_tensors
+        eps, prefix, from_moments = ctx.config
+        b, n, c = xs.shape
+        grid, heads = (stats.shape[2], stats.shape[3]), lam_var.shape[0]
+        g_xs = torch.empty_like(xs)
+        g_stats, g_out_y, sums = ctx.kernels.mix_backward(_head_major(g_xs, prefix, grid, heads), gy, xs,
+                                                          stats, mu_ln, var_ln, lam_mu, lam_var, weight,
+                                                          *ctx.config)
+        # the reductions over tokens, from the per-head sums (4, H, h, w, B)
+        s_var, s_var_in, s_x, s_x_mu = sums
+
+        def token(t: torch.Tensor) -> torch.Tensor:  # (h, w, B) -> (B, h*w)
+            return t.permute(2, 0, 1).reshape(b, -1)
+
+        mu_g = mu_ln[:, prefix:].reshape(b, *grid).permute(1, 2, 0)  # (h, w, B)
+        var_g = var_ln[:, prefix:].reshape(b, *grid).permute(1, 2, 0)
+        g_var_ln = token((s_var * lam_var.view(heads, 1, 1, 1)).sum(0))
+        g_lam_var = (s_var * var_g - s_var_in).sum((1, 2, 3))
         if lam_mu is None:
-            g_mu_ln = -g_x_d.sum(0)
-            g_lam_mu = g_mu_in = None
+            g_mu_ln, g_lam_mu = -token(s_x.sum(0)), None
         else:
-            mu_ln_g = mu_ln[:, prefix:].view(1, b, *grid)
-            g_mu_ln = -(g_x_d * lam_mu.view(heads)).sum(0)
-            g_lam_mu = (gx_g * mu_in).sum((1, 2, 3, 4)) - (g_x_d * mu_ln_g).sum((1, 2, 3))
-            g_mu_in = gx_g * (lam_mu - 1).view(nh, 1, 1, 1, 1)
-        if keep is not None:  # var_in = E[z^2] - mu_in^2 also depends on mu_in
-            if g_mu_in is None:
-                g_mu_in = -2 * mu_in * g_second
-            else:
-                g_mu_in.addcmul_(mu_in, g_second, value=-2)
-        g_mu_ln, g_var_ln = g_mu_ln.reshape(b, -1), g_var_ln.reshape(b, -1)
-
+            g_mu_ln = -token((s_x * lam_mu.view(heads, 1, 1, 1)).sum(0))
+            g_lam_mu = (s_x_mu - s_x * mu_g).sum((1, 2, 3))
+        g_weight = g_out_y.sum((1, 2)).reshape(c)
+        g_bias = gy.sum((0, 1))
         if prefix:  # LN statistics only
-            rstd_p = torch.rsqrt(var_ln[:, :prefix] + eps)[..., None, None]
-            gx_p = torch.mul(gy[:, :prefix], rstd_p, out=gx[:, :prefix])
-            g_mu_ln = torch.cat((-gx_p.sum((2, 3)), g_mu_ln), dim=1)
-            g_var_p = -0.5 * (gx_p * y[:, :prefix]).sum((2, 3)) * rstd_p[..., 0, 0]
-            g_var_ln = torch.cat((g_var_p, g_var_ln), dim=1)
-        return (gx, g_mu_in, g_second, g_mu_ln, g_var_ln, g_lam_mu, g_lam_var, g_weight, g_bias,
-                None, None, None)
+            rstd_p = torch.rsqrt(var_ln[:, :prefix, None] + eps)
+            y_p = (xs[:, :prefix] - mu_ln[:, :prefix, None]) * rstd_p
+            gx_p = torch.mul(gy[:, :prefix] * weight, rstd_p, out=g_xs[:, :prefix])
+            g_mu_ln = torch.cat((-gx_p.sum(2), g_mu_ln), 1)
+            g_var_ln = torch.cat(((gx_p * y_p).sum(2) * rstd_p[..., 0] * -0.5, g_var_ln), 1)
+            g_weight += (gy[:, :prefix] * y_p).sum((0, 1))
+        # (H, h, w, 2, B, d) -> (2, B, h, w, H, d): unpooled, the layout of the position matmuls' output
+        return (g_xs, g_stats.permute(3, 4, 1, 2, 0, 5), g_mu_ln, g_var_ln, g_lam_mu, g_lam_var, g_weight,
+                g_bias, None, None, None, None, None)
+
+
+def _output_buffer(xs: torch.Tensor, map_size: tuple[int, int] | None) -> torch.Tensor:
+    """An empty (B, N, C) output; for a channels-first map of ``map_size`` a view of a (B, C, H, W) buffer,
+    so the result needs no layout copy."""
+    if map_size is None:
+        return torch.empty_like(xs)
+    b, n, c = xs.shape
+    return xs.new_empty(b, c, *map_size).permute(0, 2, 3, 1).view(b, n, c)
 
 
 @register_norm("dtn")
@@ -216,6 +320,7 @@ class DTN(nn.Module):
         local_init: bool = True,
         separable: bool = True,
         num_prefix_tokens: int | None = None,
+        kernels: str = "auto",
     ) -> None:
         super().__init__()
         if num_heads is None:
@@ -231,10 +336,11 @@ class DTN(nn.Module):
         self.data_format = check_data_format(data_format)
         self.eps, self.pool_size, self.only_var, self.separable = eps, pool_size, only_var, separable
         self.locality_strength = locality_strength
+        self.kernels = check_kernels(kernels)
 
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
-        # theta for lambda = sigmoid(theta); zeros -> 0.5 (dtn.md 1.2). Names as in the official code.
+        # theta for lambda = sigmoid(theta); zeros -> 0.5, as in the official code (and its names).
         self.mean_norm_weight = None if only_var else nn.Parameter(torch.zeros(num_heads))
         self.var_norm_weight = nn.Parameter(torch.zeros(num_heads))
         # input features in the official column order [dx, dy, dx^2 + dy^2]
@@ -247,13 +353,11 @@ class DTN(nn.Module):
         # relative offsets of the last grid seen; non-persistent so state_dicts match the official ones
         self.register_buffer("rel_indices", torch.zeros(0, 0, 3), persistent=False)
         self._rel_grid: tuple[int, int] | None = None
-        # eager: steps (3)-(4) as one autograd Function with a hand-written backward (same math)
-        self.custom_backward = True
 
     # ------------------------------------------------------------------ parameters
     @torch.no_grad()
     def local_init(self, locality_strength: float = 1.0) -> None:
-        """ConViT-style local init (dtn.md 1.2): head p = h1 + k*h2 of the first k*k heads (k = isqrt(H))
+        """ConViT-style local init (official code): head p = h1 + k*h2 of the first k*k heads (k = isqrt(H))
         gets logits ``-|delta - Delta_p|^2 + const`` with ``Delta_p = (h2 - c, h1 - c)`` (x, y), c the
         centre of the k x k window; the remaining heads keep their std-0.02 weights (nearly uniform P).
         The whole weight is then scaled by ``locality_strength``, as in the official code.
@@ -345,8 +449,9 @@ class DTN(nn.Module):
                 if x.dim() != 4:
                     raise ValueError(f"channels_first DTN expects (B, C, H, W), got {tuple(x.shape)}")
                 b, c, h, w = x.shape
-                y = self._normalize(x.permute(0, 2, 3, 1).reshape(b, h * w, c), (h, w), 0)
-                y = y.view(b, h, w, c).permute(0, 3, 1, 2).contiguous()
+                # (B, H*W, C) views of the input and of the (B, C, H, W) output: no layout copies
+                y = self._normalize(x.permute(0, 2, 3, 1).reshape(b, h * w, c), (h, w), 0, map_size=(h, w))
+                y = y.view(b, h, w, c).permute(0, 3, 1, 2)
             elif x.dim() == 4:
                 b, h, w, c = x.shape
                 y = self._normalize(x.reshape(b, h * w, c), (h, w), 0).view(b, h, w, c)
@@ -357,51 +462,61 @@ class DTN(nn.Module):
                 raise ValueError(f"DTN expects (B, N, C), (B, H, W, C) or (B, C, H, W), got {tuple(x.shape)}")
         return y.to(in_dtype)
 
-    def _normalize(self, x: torch.Tensor, grid: tuple[int, int], prefix: int) -> torch.Tensor:
+    def _normalize(self, x: torch.Tensor, grid: tuple[int, int], prefix: int,
+                   map_size: tuple[int, int] | None = None) -> torch.Tensor:
         """x: (B, N, C) with ``prefix`` leading non-grid tokens and H*W grid tokens in raster order."""
         b, n, c = x.shape
         if c != self.dim:
             raise ValueError(f"DTN built for {self.dim} channels got {c}")
         nh, d = self.num_heads, self.head_dim
         gh, gw = grid
+        ps = self.pool_size
+        pooled = ps is not None and (gh > ps or gw > ps)
+        mode = resolve_kernels(self.kernels, x)
+        kernels = _KERNELS.get(mode)
+        fused = mode != "autograd"
 
-        # (0) per-token, per-head RMS pre-scaling
-        x = F.rms_norm(x.reshape(b, n, nh, d), (d,), eps=self.eps).view(b, n, c)
-        # (1) LN statistics over all C channels, unbiased variance as in the official torch.var call
-        mu_ln = x.mean(dim=-1)
-        var_ln = (x.square().mean(dim=-1) - mu_ln.square()).clamp_min(0) * (c / (c - 1))
+        # (0) per-token, per-head RMS pre-scaling; (1) LN statistics over all C channels (unbiased variance,
+        # as the official torch.var call); unpooled grids also get their moments for step (2) here
+        moments_grid = None if pooled else grid
+        if fused:
+            xs, mu_ln, var_ln, *moments = _PrescaleStats.apply(x, nh, self.eps, prefix, moments_grid, kernels)
+        else:
+            xs, _, mu_ln, var_ln, *moments = kernels.prescale_stats(x, nh, self.eps, prefix, moments_grid)
 
         # (2) inter-token statistics, computed in the layout (H, h, w, B, d): each head's P then contracts
         # leading spatial dims, so every matmul is one large GEMM per head (no batches of tiny matrices).
-        xg = x[:, prefix:].view(b, gh, gw, nh, d)
-        ps = self.pool_size
-        pooled = ps is not None and (gh > ps or gw > ps)
         if pooled:
             size = (min(gh, ps), min(gw, ps))
-            z = F.adaptive_avg_pool2d(xg.view(b, gh, gw, c).permute(0, 3, 1, 2), size).permute(0, 2, 3, 1)
-            z = z.reshape(b, *size, nh, d).permute(3, 1, 2, 0, 4)
+            xg = xs[:, prefix:].view(b, gh, gw, c).permute(0, 3, 1, 2)
+            z = F.adaptive_avg_pool2d(xg, size).permute(0, 2, 3, 1).reshape(b, *size, nh, d)
+            moments = _moments(z)
         else:
-            z = xg.permute(3, 1, 2, 0, 4)
-        # one copy into (H, h, w, 2B, d): the mean and the second moment share the matmuls
-        s = torch.cat((z, z * z), dim=3)
-        mu_in, second = (t.permute(0, 3, 1, 2, 4) for t in self._apply_position(s).chunk(2, dim=3))
-        # mu_in, second: (H, B, h', w', d) views
+            moments = moments[0]
+        st = self._apply_position(moments)  # (H, h', w', 2B, d): mu_in and E_P[z^2]
         if pooled:
+            mu_in, second = st.view(nh, *size, 2, b, d).unbind(3)
             var_in = torch.addcmul(second, mu_in, mu_in, value=-1.0).clamp_min(0)
             # nearest upsampling of both statistics in one call; (N, h', w', d) viewed channels-last
-            st = torch.stack((mu_in, var_in)).reshape(2 * nh * b, *mu_in.shape[2:])
+            st = torch.stack((mu_in, var_in)).permute(0, 1, 4, 2, 3, 5).reshape(2 * nh * b, *size, d)
             st = F.interpolate(st.permute(0, 3, 1, 2), size=(gh, gw), mode="nearest").permute(0, 2, 3, 1)
-            mu_in, second = st.reshape(2, nh, b, gh, gw, d).unbind(0)
+            stats = st.reshape(2, nh, b, gh, gw, d).permute(0, 2, 3, 4, 1, 5)
+        else:
+            stats = st.view(nh, gh, gw, 2, b, d).permute(3, 4, 1, 2, 0, 5)
+        # stats: (2, B, h, w, H, d) views
 
         # (3) mix per head and (4) standardise + affine
         lam_mu, lam_var = self.mixing_weights()
-        args = (x.view(b, n, nh, d), mu_in, second, mu_ln, var_ln, lam_mu, lam_var, self.weight, self.bias,
-                self.eps, prefix, not pooled)
-        if self.custom_backward and not torch.compiler.is_compiling():
-            y = _MixStandardize.apply(*args)
-        else:  # the compiler fuses the plain ops itself (and does not trace the custom Function's writes)
-            y = _mix_standardize(*args)
-        return y.reshape(b, n, c)
+        args = (xs, stats, mu_ln, var_ln, lam_mu, lam_var, self.weight, self.bias, self.eps, prefix,
+                not pooled)
+        if fused:
+            return _Mix.apply(*args, map_size, kernels)
+        y = _output_buffer(xs, map_size)
+        kernels.mix(_head_major(y, prefix, grid, nh), *args)
+        if prefix:
+            y[:, :prefix] = _ln_prefix(xs[:, :prefix], mu_ln[:, :prefix], var_ln[:, :prefix], self.eps) \
+                * self.weight + self.bias
+        return y
 
     def _apply_position(self, s: torch.Tensor) -> torch.Tensor:
         """out[h, q] = sum_p P^h[p, q] s[h, p] for s of shape (H, h, w, M, d), tokens p, q = (row, col)."""

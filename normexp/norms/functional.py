@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import shutil
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 
 DATA_FORMATS = ("channels_last", "channels_first")
@@ -25,3 +32,99 @@ def channel_affine(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     if bias is not None:
         x = x + bias
     return x
+
+
+# ----------------------------------------------------------------------------- fused kernels
+# DyT and DTN have a fused path: an autograd Function with a hand-written backward whose kernels are plain
+# torch functions, run op by op ("eager") or compiled by torch.compile into a few loops ("compiled").
+KERNEL_MODES = ("auto", "compiled", "eager", "autograd")
+# "auto" compiles only inputs at least this large: compiling costs seconds per shape, which a short run on
+# small tensors never wins back (and small tensors stay in cache, where fusing saves little).
+COMPILE_MIN_NUMEL = 2**19
+
+# C++ kernels may fuse a*b+c into one FMA (more accurate, and it halves the arithmetic of polynomials)
+_COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
+# Inductor options for kernels whose intermediate values have several consumers: recompute them in each
+# loop rather than store and re-read them (extra arithmetic is nearly free there, extra passes are not)
+RECOMPUTE = {"realize_reads_threshold": 100, "realize_opcount_threshold": 1000,
+             "realize_acc_reads_threshold": 100}
+
+log = logging.getLogger(__name__)
+_compile_failed: set[str] = set()
+
+
+def check_kernels(mode: str) -> str:
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got '{mode}'")
+    return mode
+
+
+def compiler_available(device_type: str) -> bool:
+    """Whether torch.compile can build fused kernels here (a C++ compiler for CPU, Triton for CUDA)."""
+    return device_type not in _compile_failed and _has_compiler(device_type)
+
+
+@functools.cache
+def _has_compiler(device_type: str) -> bool:
+    if device_type == "cpu":
+        from torch._inductor import config
+
+        return shutil.which(config.cpp.cxx[-1] or "g++") is not None
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return has_triton()
+    return False
+
+
+def resolve_kernels(mode: str, x: torch.Tensor) -> str:
+    """The path a layer in ``mode`` takes for input ``x``: ``compiled``, ``eager`` or ``autograd``.
+
+    Inside an outer ``torch.compile`` it is always ``autograd`` (the compiler fuses the plain ops and
+    derives the backward itself). ``auto`` is ``compiled`` for large inputs where the compiler works and
+    ``autograd`` otherwise.
+    """
+    if torch.compiler.is_compiling():
+        return "autograd"
+    if mode == "auto":
+        big = x.numel() >= COMPILE_MIN_NUMEL
+        return "compiled" if big and compiler_available(x.device.type) else "autograd"
+    return mode
+
+
+class Kernels:
+    """Named kernel functions, and the same functions ``torch.compile``-d (built on first use).
+
+    A compiled kernel that fails to build (no working compiler, say) is reported once; that device then
+    runs the same functions op by op.
+    """
+
+    def __init__(self, options: dict[str, Any] | None = None, **functions: Callable[..., Any]) -> None:
+        self.eager = SimpleNamespace(**functions)
+        self.options = {**_COMPILE_OPTIONS, **(options or {})}  # inductor options
+        self._compiled: SimpleNamespace | None = None
+
+    def get(self, mode: str) -> SimpleNamespace:
+        """The kernels for ``mode`` (``compiled`` or ``eager``)."""
+        if mode != "compiled":
+            return self.eager
+        if self._compiled is None:
+            compiled = {name: _with_fallback(torch.compile(fn, options=self.options), fn)
+                        for name, fn in vars(self.eager).items()}
+            self._compiled = SimpleNamespace(**compiled)
+        return self._compiled
+
+
+def _with_fallback(compiled: Callable[..., Any], eager: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        if device not in _compile_failed:
+            try:
+                return compiled(*args)
+            except Exception as e:  # a broken toolchain must not stop training: same math, op by op
+                _compile_failed.add(device)
+                log.warning("torch.compile of %s failed on %s (%s: %s); running its kernels op by op",
+                            eager.__name__, device, type(e).__name__, e)
+        return eager(*args)
+
+    return run

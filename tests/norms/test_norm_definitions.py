@@ -11,7 +11,7 @@ from torch import nn
 
 from normexp.norms.batch import BatchNorm
 from normexp.norms.derf import Derf
-from normexp.norms.dyt import DyT
+from normexp.norms.dyt import DyT, fast_tanh
 from normexp.norms.group import GroupNorm
 from normexp.norms.instance import InstanceNorm
 from normexp.norms.scale import ScaleNorm
@@ -165,11 +165,72 @@ def test_dyt_variants(shape, squash, learnable):
         torch.testing.assert_close(cf(cl_to_cf(x.detach())), cl_to_cf(y.detach()))
 
 
+FORMATS = {"tokens": ((3, 10, C), "channels_last"), "map": ((3, 4, 5, C), "channels_last"),
+           "map_channels_first": ((3, C, 4, 5), "channels_first")}
+
+
+def dyt_outputs_and_grads(kernels: str, fmt: str, squash: str, learnable: bool, x: torch.Tensor,
+                          g: torch.Tensor) -> list[torch.Tensor]:
+    m = randomize_affine(DyT(C, alpha0=0.8, squash=squash, learnable_alpha=learnable, data_format=fmt,
+                             kernels=kernels)).to(x.dtype)
+    x = x.clone().requires_grad_()
+    y = m(x)
+    y.backward(g)
+    return [y, x.grad, *(p.grad for p in m.parameters())]
+
+
+@pytest.mark.parametrize("learnable", [True, False])
+@pytest.mark.parametrize("squash", SQUASH)
+@pytest.mark.parametrize("layout", FORMATS)
+def test_dyt_fused_path_matches_definition_float64(layout, squash, learnable):
+    # the fused Function (its kernels run op by op here; compiled for large inputs) against autograd
+    # through the definition: outputs and gradients of x, alpha, weight, bias
+    shape, fmt = FORMATS[layout]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3
+    g = torch.randn(shape, generator=gen, dtype=torch.float64)
+    fused = dyt_outputs_and_grads("eager", fmt, squash, learnable, x, g)
+    plain = dyt_outputs_and_grads("autograd", fmt, squash, learnable, x, g)
+    assert len(fused) == len(plain) == 4 + learnable
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_dyt_fast_tanh_is_tanh_to_float32_precision():
+    z = torch.linspace(-30, 30, 600_001, dtype=torch.float64)
+    assert (fast_tanh(z) - torch.tanh(z)).abs().max() < 2e-8
+    t32 = fast_tanh(z.float())
+    assert (t32.double() - torch.tanh(z)).abs().max() < 4e-7 and t32.abs().max() <= 1 + 3e-7
+
+
+def test_dyt_fused_path_saves_only_its_input():
+    m = DyT(C, kernels="eager")
+    x = torch.randn(3, 10, C, requires_grad=True)
+    exclude = {p.data_ptr() for p in m.parameters()}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        m(x)
+    assert [t.data_ptr() for t in saved if t.data_ptr() not in exclude] == [x.data_ptr()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("squash, layout", [("tanh", "map_channels_first"), ("sigmoid", "tokens")])
+def test_dyt_compiled_kernels_match_definition(squash, layout):
+    shape, fmt = FORMATS[layout]
+    x, g = torch.randn(shape) * 3, torch.randn(shape)
+    compiled = dyt_outputs_and_grads("compiled", fmt, squash, True, x, g)
+    plain = dyt_outputs_and_grads("autograd", fmt, squash, True, x, g)
+    for a, b in zip(compiled, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_dyt_defaults_and_bad_squash():
     m = DyT(C)
     assert m.squash == "tanh" and isinstance(m.alpha, nn.Parameter) and m.alpha.item() == 0.5
     with pytest.raises(ValueError, match="squash"):
         DyT(C, squash="relu")
+    with pytest.raises(ValueError, match="kernels"):
+        DyT(C, kernels="fast")
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
