@@ -11,13 +11,16 @@ LAUNCHER ?=
 TABLES := $(sort $(basename $(notdir $(wildcard configs/table/*.yaml))))
 TABLE_ARGS = --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(LAUNCHER),--launcher $(LAUNCHER))
 
-.PHONY: help install demo test test-fast lint format clean-runs tables dashboard bench $(addprefix table-,$(TABLES))
+.PHONY: help install demo test test-slow test-demos test-all lint format clean-runs tables dashboard bench $(addprefix table-,$(TABLES))
 
 help:
 	@echo "make install    create $(VENV) and install normexp with its dev extras"
 	@echo "make demo       train the micro ViT (LayerNorm) on the embedded digits data"
-	@echo "make test       run the whole test suite (slow end-to-end checks included)"
-	@echo "make test-fast  run the tests not marked slow"
+	@echo "make test       the test suite (~16 min on 2 cores): everything but the two tiers below"
+	@echo "make test-slow  the slow tier: multi-process, kill/resume, install, launcher, MLflow server,"
+	@echo "                compiled-kernel and published-size model checks (~12 min on 2 cores)"
+	@echo "make test-demos the documented demos trained to their accuracy targets (~30 min on 2 cores)"
+	@echo "make test-all   all three"
 	@echo "make lint       ruff check"
 	@echo "make table-<id> run what a paper table needs, then render it [SCALE=smoke|full] [SEEDS=0,1,2]"
 	@echo "                [LAUNCHER=slurm]; tables: $(TABLES)"
@@ -35,11 +38,20 @@ $(STAMP): pyproject.toml
 demo: install
 	$(PY) -m normexp
 
-test: install
-	$(PY) -m pytest
+# one pytest worker per core (each single-threaded, see tests/conftest.py)
+PYTEST := $(PY) -m pytest -n auto --dist worksteal
 
-test-fast: install
-	$(PY) -m pytest -m "not slow"
+test: install
+	$(PYTEST) -m "not slow and not demo" --durations=20
+
+test-slow: install
+	$(PYTEST) -m "slow and not demo" --durations=20
+
+test-demos: install
+	$(PYTEST) -m demo
+
+test-all: install
+	$(PYTEST)
 
 lint: install
 	$(VENV)/bin/ruff check .

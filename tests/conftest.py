@@ -12,6 +12,14 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
 ROOT = Path(__file__).resolve().parent.parent
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one pytest worker per core: one thread each (and in the processes they start), or
+    # the workers' thread pools fight over the cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
 CONFIG_DIR = str(ROOT / "configs")
 
 

@@ -8,7 +8,7 @@ from conftest import compose_cfg
 from normexp.run import run
 
 
-@pytest.mark.slow
+@pytest.mark.demo
 @pytest.mark.parametrize("norm,target", [("ln", 90.0), ("dyt", 85.0), ("dtn", 85.0)])
 def test_demo_reaches_its_target(tmp_path, norm, target):
     cfg = compose_cfg(f"norm={norm}", "logger=none", "trainer.progress=false")

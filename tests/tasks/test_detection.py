@@ -241,7 +241,7 @@ def test_unknown_torchvision_option_is_refused(tmp_path):
     build_detection_model(detection_cfg("+task.retinanet.topk_candidates=10"), 11)
 
 
-@pytest.mark.slow
+@pytest.mark.demo
 def test_demo_reaches_the_acceptance_ap(tmp_path):
     """The documented demo, as typed: RetinaNet, pvt_v2_b0, LN, coco_digits, from scratch (~5 min)."""
     out = run_cli("task=detection", "data=coco_digits", env={"NORMEXP_OUTPUT_DIR": str(tmp_path)},
@@ -253,7 +253,7 @@ def test_demo_reaches_the_acceptance_ap(tmp_path):
     assert final["val/bbox_AP"] >= 0.3
 
 
-@pytest.mark.slow
+@pytest.mark.demo
 def test_mask_rcnn_learns_masks(tmp_path):
     """A shortened Mask R-CNN demo (300 canvases, 4 epochs, ~1.5 min): boxes and masks both score."""
     out = run_cli("task=detection", "task.detector=mask_rcnn", "data.num_train=300", "trainer.epochs=4",

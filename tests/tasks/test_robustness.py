@@ -271,7 +271,7 @@ def test_cli_without_checkpoint_is_one_line(tmp_path):
     assert len(errors) == 1 and "task.checkpoint" in errors[0]
 
 
-@pytest.mark.slow
+@pytest.mark.demo
 def test_full_digits_evaluation_from_the_command_line(demo_run, tmp_path):
     """The acceptance run: all 15 x 5 corruptions; the second run renders nothing (times are printed, not
     asserted: speed is measured by hand, these machines are noisy)."""
