@@ -14,29 +14,29 @@ records are only read. The UI compares runs side by side, groups and charts them
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from .errors import UserError
+from .tables.plan import Record, index_records
 from .tracking.records import output_root
 
 
-def finished_records(root: Path) -> Iterator[tuple[Path, dict[str, Any], dict[str, Any]]]:
-    """(run dir, config, summary) of every record under ``root`` that has ended (completed, diverged, ...)."""
-    for path in sorted(root.glob("**/summary.json")):
+def finished_records(records: Iterable[Record]) -> Iterator[tuple[Path, dict[str, Any], dict[str, Any]]]:
+    """(run dir, config, summary) of every record that has ended (completed, diverged, failed, ...)."""
+    for record in records:
+        if record.status == "running":
+            continue
         try:
-            summary = json.loads(path.read_text())
-            config = yaml.safe_load((path.parent / "config.yaml").read_text()) or {}
-        except (OSError, ValueError, yaml.YAMLError):
+            config = record.config
+        except (OSError, yaml.YAMLError):
             continue  # being written, or not a run record
-        if summary.get("run_id") and summary.get("status") != "running":
-            yield path.parent, config, summary
+        yield record.dir, config, record.summary
 
 
 def serve(uri: str, host: str, port: int) -> int:
@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> None:
         if not root.is_dir():
             raise UserError(f"no run records under '{root}': run something first (make demo), or give --root")
         uri = tracking_uri(args.store, root)
-        running = sum(1 for p in root.glob("**/summary.json") if '"status": "running"' in p.read_text())
-        imported, present = import_records(finished_records(root), uri)
+        records = list(index_records(root).values())  # one record per run id: its best result
+        running = sum(r.status == "running" for r in records)
+        imported, present = import_records(finished_records(records), uri)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
