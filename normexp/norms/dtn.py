@@ -43,8 +43,10 @@ Choices this implementation makes (the official code only handles a 14x14 grid w
   normalised copies), run op by op (``"eager"``) or with each kernel compiled by ``torch.compile`` into a
   few fused loops (``"compiled"``); ``"autograd"`` runs the same functions as plain ops and lets autograd
   derive the backward (what an outer ``torch.compile`` always traces). ``"auto"`` compiles inputs of at
-  least ``COMPILE_MIN_NUMEL`` elements where a compiler works and is ``"autograd"`` otherwise (faster than
-  the op-by-op Function on small tensors). All are tested against each other, against a per-token loop
+  least ``COMPILE_MIN_NUMEL`` elements where a compiler works, once their shape has run
+  ``COMPILE_AFTER_CALLS`` times (a compile costs seconds per shape and kernel, which a shape met a few
+  times never wins back), and is ``"autograd"`` otherwise (faster than the op-by-op Function on small
+  tensors). All are tested against each other, against a per-token loop
   reference of the equations and with ``gradcheck``.
 * The grid comes from the input shape for (B, H, W, C) / (B, C, H, W) maps and from ``layout.grid`` for
   (B, N, C) tokens; then N must be H*W or P + H*W with P prefix tokens (``num_prefix_tokens`` if given,
@@ -298,6 +300,26 @@ def _output_buffer(xs: torch.Tensor, map_size: tuple[int, int] | None) -> torch.
     return xs.new_empty(b, c, *map_size).permute(0, 2, 3, 1).view(b, n, c)
 
 
+def _pool_grid(z: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Adaptive average pooling of grid tokens (B, h, w, C) to (B, *size, C), as two small matmuls (the same
+    bins and weights as ``F.adaptive_avg_pool2d``; their backward is two GEMMs, not a scatter)."""
+    b, h, w, c = z.shape
+    ay, ax = (_pool_matrix(n, m, z.dtype, z.device) for n, m in ((h, size[0]), (w, size[1])))
+    z = torch.matmul(ay, z.reshape(b, h, w * c)).view(b * size[0], w, c)
+    return torch.matmul(ax, z).view(b, *size, c)
+
+
+def _pool_matrix(n: int, m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(m, n): row i averages the inputs of adaptive pooling bin i, [floor(i n/m), ceil((i+1) n/m))."""
+    return F.adaptive_avg_pool1d(torch.eye(n, dtype=dtype, device=device), m).T.contiguous()
+
+
+def _nearest_index(m: int, n: int, device: torch.device) -> torch.Tensor:
+    """For each of n positions, the one of m that ``F.interpolate(mode="nearest")`` copies to it."""
+    idx = torch.arange(m, dtype=torch.float32, device=device)[None, None]
+    return F.interpolate(idx, size=n, mode="nearest").view(n).long()
+
+
 @register_norm("dtn")
 class DTN(nn.Module):
     """Dynamic Token Normalization for (B, N, C) tokens, (B, H, W, C) and (B, C, H, W) maps.
@@ -472,7 +494,8 @@ class DTN(nn.Module):
         gh, gw = grid
         ps = self.pool_size
         pooled = ps is not None and (gh > ps or gw > ps)
-        mode = resolve_kernels(self.kernels, x)
+        kind = (DTN, nh, grid, prefix, pooled, self.separable, self.only_var)
+        mode = resolve_kernels(self.kernels, x, kind)
         kernels = _KERNELS.get(mode)
         fused = mode != "autograd"
 
@@ -488,27 +511,28 @@ class DTN(nn.Module):
         # leading spatial dims, so every matmul is one large GEMM per head (no batches of tiny matrices).
         if pooled:
             size = (min(gh, ps), min(gw, ps))
-            xg = xs[:, prefix:].view(b, gh, gw, c).permute(0, 3, 1, 2)
-            z = F.adaptive_avg_pool2d(xg, size).permute(0, 2, 3, 1).reshape(b, *size, nh, d)
-            moments = _moments(z)
+            moments = _moments(_pool_grid(xs[:, prefix:].view(b, gh, gw, c), size).view(b, *size, nh, d))
         else:
             moments = moments[0]
-        st = self._apply_position(moments)  # (H, h', w', 2B, d): mu_in and E_P[z^2]
-        if pooled:
+        # separable P: nearest upsampling folds into the factors (a gather of target columns), so the
+        # statistics come out at full resolution and var_in = E_P[z^2] - mu_in^2 is formed in the mix kernel
+        from_moments = not pooled or self.separable
+        st = self._apply_position(moments, grid if from_moments else None)  # mu_in and E_P[z^2]
+        if from_moments:
+            stats = st.view(nh, gh, gw, 2, b, d).permute(3, 4, 1, 2, 0, 5)
+        else:  # dense P at the pooled size, then var_in and nearest upsampling (official dtn_pool)
             mu_in, second = st.view(nh, *size, 2, b, d).unbind(3)
             var_in = torch.addcmul(second, mu_in, mu_in, value=-1.0).clamp_min(0)
             # nearest upsampling of both statistics in one call; (N, h', w', d) viewed channels-last
             st = torch.stack((mu_in, var_in)).permute(0, 1, 4, 2, 3, 5).reshape(2 * nh * b, *size, d)
             st = F.interpolate(st.permute(0, 3, 1, 2), size=(gh, gw), mode="nearest").permute(0, 2, 3, 1)
             stats = st.reshape(2, nh, b, gh, gw, d).permute(0, 2, 3, 4, 1, 5)
-        else:
-            stats = st.view(nh, gh, gw, 2, b, d).permute(3, 4, 1, 2, 0, 5)
         # stats: (2, B, h, w, H, d) views
 
         # (3) mix per head and (4) standardise + affine
         lam_mu, lam_var = self.mixing_weights()
         args = (xs, stats, mu_ln, var_ln, lam_mu, lam_var, self.weight, self.bias, self.eps, prefix,
-                not pooled)
+                from_moments)
         if fused:
             return _Mix.apply(*args, map_size, kernels)
         y = _output_buffer(xs, map_size)
@@ -518,17 +542,26 @@ class DTN(nn.Module):
                 * self.weight + self.bias
         return y
 
-    def _apply_position(self, s: torch.Tensor) -> torch.Tensor:
-        """out[h, q] = sum_p P^h[p, q] s[h, p] for s of shape (H, h, w, M, d), tokens p, q = (row, col)."""
+    def _apply_position(self, s: torch.Tensor, target_grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """out[h, q] = sum_p P^h[p, up(q)] s[h, p] for s of shape (H, h', w', M, d), tokens p = (row, col).
+
+        ``target_grid`` (separable only): targets q on that finer grid, each reading the pooled target
+        ``up(q)`` that nearest upsampling would copy to it; default: the targets are the grid of s.
+        """
         nh, h, w, m, d = s.shape
         if self.separable:
             py, px = self.position_factors((h, w))
+            if target_grid is not None and target_grid != (h, w):
+                py = py[:, :, _nearest_index(h, target_grid[0], py.device)]
+                px = px[:, :, _nearest_index(w, target_grid[1], px.device)]
             # contract the source rows, then the source columns; the target index takes the source's place
             s = torch.bmm(py.transpose(1, 2), s.reshape(nh, h, w * m * d))
-            s = torch.matmul(px.transpose(1, 2).unsqueeze(1), s.view(nh, h, w, m * d))
-        else:
-            p = self.position_matrix((h, w))
-            s = torch.bmm(p.transpose(1, 2), s.reshape(nh, h * w, m * d))
+            s = torch.matmul(px.transpose(1, 2).unsqueeze(1), s.view(nh, py.shape[2], w, m * d))
+            return s.view(nh, py.shape[2], px.shape[2], m, d)
+        if target_grid is not None and target_grid != (h, w):
+            raise ValueError("the dense position matrix takes targets on the grid of its input")
+        p = self.position_matrix((h, w))
+        s = torch.bmm(p.transpose(1, 2), s.reshape(nh, h * w, m * d))
         return s.view(nh, h, w, m, d)
 
     def extra_repr(self) -> str:

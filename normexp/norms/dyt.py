@@ -23,7 +23,8 @@ Ablation options (paper Tables 7-8):
   sigmoid is ``(1 + tanh(z / 2)) / 2`` with the same tanh.
 * ``"eager"``: the same Function and kernels, run op by op (slow; for testing the kernels uncompiled).
 * ``"auto"``: ``"compiled"`` for inputs of at least ``COMPILE_MIN_NUMEL`` elements where torch.compile
-  works, else ``"autograd"``; inside an outer ``torch.compile`` always ``"autograd"``.
+  works, once their shape has run ``COMPILE_AFTER_CALLS`` times (a compile costs seconds per shape), else
+  ``"autograd"``; inside an outer ``torch.compile`` always ``"autograd"``.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class DyT(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mode = resolve_kernels(self.kernels, x)
+        mode = resolve_kernels(self.kernels, x, (DyT, self.squash, self.data_format))
         if mode == "autograd":
             y = SQUASH[self.squash](self.alpha * x)
             return channel_affine(y, self.weight, self.bias, self.data_format)

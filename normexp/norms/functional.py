@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import shutil
@@ -38,9 +39,13 @@ def channel_affine(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
 # DyT and DTN have a fused path: an autograd Function with a hand-written backward whose kernels are plain
 # torch functions, run op by op ("eager") or compiled by torch.compile into a few loops ("compiled").
 KERNEL_MODES = ("auto", "compiled", "eager", "autograd")
-# "auto" compiles only inputs at least this large: compiling costs seconds per shape, which a short run on
-# small tensors never wins back (and small tensors stay in cache, where fusing saves little).
+# "auto" compiles only inputs at least this large (small tensors stay in cache, where fusing saves little) ...
 COMPILE_MIN_NUMEL = 2**19
+# ... and only shapes a layer kind has already run this many times: a compile costs seconds per shape and
+# kernel, which shapes met a few times (the evaluation batches of a short run, a last partial batch) never
+# win back. Benchmarks of the steady state set it to 0.
+COMPILE_AFTER_CALLS = 50
+_calls: collections.Counter = collections.Counter()
 
 # C++ kernels may fuse a*b+c into one FMA (more accurate, and it halves the arithmetic of polynomials)
 _COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
@@ -77,18 +82,22 @@ def _has_compiler(device_type: str) -> bool:
     return False
 
 
-def resolve_kernels(mode: str, x: torch.Tensor) -> str:
+def resolve_kernels(mode: str, x: torch.Tensor, kind: Any = None) -> str:
     """The path a layer in ``mode`` takes for input ``x``: ``compiled``, ``eager`` or ``autograd``.
 
     Inside an outer ``torch.compile`` it is always ``autograd`` (the compiler fuses the plain ops and
-    derives the backward itself). ``auto`` is ``compiled`` for large inputs where the compiler works and
-    ``autograd`` otherwise.
+    derives the backward itself). ``auto`` is ``compiled`` for large inputs where the compiler works, once
+    layers of ``kind`` (a hashable: the layer class and what its kernels specialise on) have run more than
+    ``COMPILE_AFTER_CALLS`` times on this shape, and ``autograd`` otherwise.
     """
     if torch.compiler.is_compiling():
         return "autograd"
     if mode == "auto":
-        big = x.numel() >= COMPILE_MIN_NUMEL
-        return "compiled" if big and compiler_available(x.device.type) else "autograd"
+        if x.numel() < COMPILE_MIN_NUMEL or not compiler_available(x.device.type):
+            return "autograd"
+        key = (kind, tuple(x.shape), x.dtype, x.device.type, torch.is_grad_enabled())
+        _calls[key] += 1
+        return "compiled" if _calls[key] > COMPILE_AFTER_CALLS else "autograd"
     return mode
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from normexp.norms import functional
 from normexp.norms.batch import BatchNorm
 from normexp.norms.derf import Derf
 from normexp.norms.dyt import DyT, fast_tanh
@@ -249,3 +251,20 @@ def test_derf(shape):
         cf = Derf(C, data_format="channels_first")
         cf.load_state_dict(m.state_dict())
         torch.testing.assert_close(cf(cl_to_cf(x)), cl_to_cf(expected))
+
+
+def test_auto_kernels_compile_only_large_shapes_seen_often(monkeypatch):
+    # a compile costs seconds per shape: "auto" fuses only large inputs, and only once a shape is common
+    monkeypatch.setattr(functional, "compiler_available", lambda device_type: True)
+    monkeypatch.setattr(functional, "_calls", collections.Counter())
+    monkeypatch.setattr(functional, "COMPILE_AFTER_CALLS", 3)
+    big = torch.empty(functional.COMPILE_MIN_NUMEL)
+    small = torch.empty(functional.COMPILE_MIN_NUMEL - 1)
+    modes = [functional.resolve_kernels("auto", big, "kind") for _ in range(5)]
+    assert modes == ["autograd"] * 3 + ["compiled"] * 2
+    # another kind, shape or grad mode counts from zero; small inputs and explicit modes never count
+    assert functional.resolve_kernels("auto", big, "other") == "autograd"
+    with torch.no_grad():
+        assert functional.resolve_kernels("auto", big, "kind") == "autograd"
+    assert all(functional.resolve_kernels("auto", small, "kind") == "autograd" for _ in range(5))
+    assert functional.resolve_kernels("eager", small, "kind") == "eager"
