@@ -26,6 +26,9 @@ Choices this implementation makes (the official code only handles a 14x14 grid w
   dimension for the inter-token statistics (adaptive pooling, so non-divisible grids work), the statistics
   are computed from the *pooled* tokens (second moment of the pooled values, as the official code does),
   and mu_in / var_in are nearest-upsampled back (official ``dtn_pool``; ``pool_size=None`` never pools).
+  Pooling runs as two small matmuls; with the separable P the upsampling is a gather of the factors' target
+  columns (``_apply_position``), so E_P[z^2] and mu_in arrive at full resolution and
+  ``var_in = max(E_P[z^2] - mu_in^2, 0)`` is formed per token there: the same values as upsampling var_in.
 * Prefix tokens (class / distillation tokens, which precede the grid tokens in (B, N, C) input) are not
   on the grid, so they get intra-token (LN) statistics only, i.e. lambda = 1 for them. The official code
   never feeds them to DTN (its ViT adds the class token after the DTN blocks); this keeps DTN usable in
