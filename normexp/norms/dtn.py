@@ -62,6 +62,7 @@ Choices this implementation makes (the official code only handles a 14x14 grid w
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -312,11 +313,13 @@ def _pool_grid(z: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return torch.matmul(ax, z).view(b, *size, c)
 
 
+@functools.cache  # a few grid sizes per model; built once, not on every forward
 def _pool_matrix(n: int, m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(m, n): row i averages the inputs of adaptive pooling bin i, [floor(i n/m), ceil((i+1) n/m))."""
     return F.adaptive_avg_pool1d(torch.eye(n, dtype=dtype, device=device), m).T.contiguous()
 
 
+@functools.cache
 def _nearest_index(m: int, n: int, device: torch.device) -> torch.Tensor:
     """For each of n positions, the one of m that ``F.interpolate(mode="nearest")`` copies to it."""
     idx = torch.arange(m, dtype=torch.float32, device=device)[None, None]
@@ -497,8 +500,7 @@ class DTN(nn.Module):
         gh, gw = grid
         ps = self.pool_size
         pooled = ps is not None and (gh > ps or gw > ps)
-        kind = (DTN, nh, grid, prefix, pooled, self.separable, self.only_var)
-        mode = resolve_kernels(self.kernels, x, kind)
+        mode = resolve_kernels(self.kernels, x, (DTN, nh, grid, ps, self.separable, self.only_var))
         kernels = _KERNELS.get(mode)
         fused = mode != "autograd"
 
