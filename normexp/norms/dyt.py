@@ -15,12 +15,11 @@ Ablation options (paper Tables 7-8):
 ``kernels`` (the paper's Table 15, v2: compiled, DyT costs what a compiled RMSNorm costs):
 
 * ``"autograd"``: the definition in plain ops, autograd derives the backward.
-* ``"compiled"``: one autograd Function whose forward (one pass: ``y``) and backward (one pass: dL/dx, the
-  alpha gradient and ``dL/dy * squash``; the gamma and beta gradients are then its and dL/dy's channel
-  sums) are each compiled by ``torch.compile`` into a fused loop; it saves only the input. There tanh is
-  the rational function :func:`fast_tanh` (within 2e-8 of tanh; float32 evaluation stays within 4e-7, a
-  few float32 ulps), because the library tanh in compiled CPU code costs several times a memory pass; the
-  sigmoid is ``(1 + tanh(z / 2)) / 2`` with the same tanh.
+* ``"compiled"``: one autograd Function whose forward (one pass: ``y``) and backward (one pass: dL/dx and
+  the alpha, gamma and beta gradients) are each compiled by ``torch.compile`` into a fused loop; it saves
+  only the input. There tanh is the rational function :func:`fast_tanh` (within 2e-8 of tanh; float32
+  evaluation stays within 4e-7, a few float32 ulps), because the library tanh in compiled CPU code costs
+  several times a memory pass; the sigmoid is ``(1 + tanh(z / 2)) / 2`` with the same tanh.
 * ``"eager"``: the same Function and kernels, run op by op (slow; for testing the kernels uncompiled).
 * ``"auto"``: ``"compiled"`` for inputs of at least ``COMPILE_MIN_NUMEL`` elements where torch.compile
   works, once their shape has run ``COMPILE_AFTER_CALLS`` times (a compile costs seconds per shape), else
@@ -97,12 +96,17 @@ def _dyt_forward(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bia
 
 def _dyt_backward(gy: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, squash: str,
                   channels_first: bool, alpha_grad: bool) -> tuple[torch.Tensor | None, ...]:
-    """(dL/dx, dL/dy * squash (summed over all but the channels by the caller: dL/dgamma), dL/dalpha)."""
+    """(dL/dx, dL/dalpha, dL/dgamma, dL/dbeta): the channel sums in the same pass as dL/dx, so compiled it
+    reads gy and x once and writes dL/dx once."""
     z = alpha * x
     t = _squash(z, squash)
-    g_z = gy * weight.view(_channel_shape(x, channels_first)) * _squash_slope(t, z, squash)
-    g_alpha = (g_z * x).sum().view(1) if alpha_grad else None
-    return g_z * alpha, gy * t, g_alpha
+    g_t = gy * _squash_slope(t, z, squash)
+    channel_dim = 1 if channels_first and gy.dim() > 2 else gy.dim() - 1
+    dims = tuple(i for i in range(gy.dim()) if i != channel_dim)
+    # dL/dalpha = sum_c gamma_c sum_n g_t x: its per-channel sums share one loop with gamma's and beta's
+    g_alpha = (weight * (g_t * x).sum(dims)).sum().view(1) if alpha_grad else None
+    g_x = g_t * (weight * alpha).view(_channel_shape(x, channels_first))
+    return g_x, g_alpha, (gy * t).sum(dims), gy.sum(dims)
 
 
 _KERNELS = Kernels(forward=_dyt_forward, backward=_dyt_backward)
@@ -123,11 +127,8 @@ class _DyTFunction(torch.autograd.Function):
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, alpha, weight = ctx.saved_tensors
         squash, channels_first = ctx.config
-        g_x, gy_t, g_alpha = ctx.kernels.backward(gy, x, alpha, weight, squash, channels_first,
-                                                  ctx.needs_input_grad[1])
-        channel_dim = 1 if channels_first and gy.dim() > 2 else gy.dim() - 1
-        dims = tuple(i for i in range(gy.dim()) if i != channel_dim)
-        return g_x, g_alpha, gy_t.sum(dims), gy.sum(dims), None, None, None
+        grads = ctx.kernels.backward(gy, x, alpha, weight, squash, channels_first, ctx.needs_input_grad[1])
+        return *grads, None, None, None
 
 
 @register_norm("dyt")
