@@ -15,9 +15,9 @@ Ablation options (paper Tables 7-8):
 ``kernels`` (the paper's Table 15, v2: compiled, DyT costs what a compiled RMSNorm costs):
 
 * ``"autograd"``: the definition in plain ops, autograd derives the backward.
-* ``"compiled"``: one autograd Function whose forward (one pass: ``y``) and backward (one pass: dL/dx and
-  the alpha, gamma and beta gradients) are each compiled by ``torch.compile`` into a fused loop; it saves
-  only the input. There tanh is the rational function :func:`fast_tanh` (within 2e-8 of tanh; float32
+* ``"compiled"``: one autograd Function whose forward (one pass: ``y``) and backward (two loops: one reduction
+  for the alpha, gamma and beta gradients, one pass for dL/dx) are each compiled by ``torch.compile``; it
+  saves only the input. There tanh is the rational function :func:`fast_tanh` (within 2e-8 of tanh; float32
   evaluation stays within 4e-7, a few float32 ulps), because the library tanh in compiled CPU code costs
   several times a memory pass; the sigmoid is ``(1 + tanh(z / 2)) / 2`` with the same tanh.
 * ``"eager"``: the same Function and kernels, run op by op (slow; for testing the kernels uncompiled).
@@ -96,8 +96,7 @@ def _dyt_forward(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bia
 
 def _dyt_backward(gy: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, squash: str,
                   channels_first: bool, alpha_grad: bool) -> tuple[torch.Tensor | None, ...]:
-    """(dL/dx, dL/dalpha, dL/dgamma, dL/dbeta): the channel sums in the same pass as dL/dx, so compiled it
-    reads gy and x once and writes dL/dx once."""
+    """(dL/dx, dL/dalpha, dL/dgamma, dL/dbeta). Compiled: one loop of per-channel sums, one for dL/dx."""
     z = alpha * x
     t = _squash(z, squash)
     g_t = gy * _squash_slope(t, z, squash)
