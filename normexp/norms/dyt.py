@@ -84,8 +84,13 @@ def _squash_slope(t: torch.Tensor, z: torch.Tensor, squash: str) -> torch.Tensor
     return 1.0
 
 
+def _channel_dim(x: torch.Tensor, channels_first: bool) -> int:
+    return 1 if channels_first and x.dim() > 2 else x.dim() - 1
+
+
 def _channel_shape(x: torch.Tensor, channels_first: bool) -> tuple[int, ...]:
-    return (-1,) + (1,) * (x.dim() - 2) if channels_first and x.dim() > 2 else (-1,)
+    """The shape that broadcasts a per-channel vector against x."""
+    return (-1,) + (1,) * (x.dim() - 1 - _channel_dim(x, channels_first))
 
 
 def _dyt_forward(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -100,8 +105,7 @@ def _dyt_backward(gy: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, weight
     z = alpha * x
     t = _squash(z, squash)
     g_t = gy * _squash_slope(t, z, squash)
-    channel_dim = 1 if channels_first and gy.dim() > 2 else gy.dim() - 1
-    dims = tuple(i for i in range(gy.dim()) if i != channel_dim)
+    dims = tuple(i for i in range(x.dim()) if i != _channel_dim(x, channels_first))
     # dL/dalpha = sum_c gamma_c sum_n g_t x: its per-channel sums share one loop with gamma's and beta's
     g_alpha = (weight * (g_t * x).sum(dims)).sum().view(1) if alpha_grad else None
     g_x = g_t * (weight * alpha).view(_channel_shape(x, channels_first))
