@@ -11,7 +11,8 @@ LAUNCHER ?=
 TABLES := $(sort $(basename $(notdir $(wildcard configs/table/*.yaml))))
 TABLE_ARGS = --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(LAUNCHER),--launcher $(LAUNCHER))
 
-.PHONY: help install demo test test-slow test-demos test-all lint format clean-runs tables dashboard bench $(addprefix table-,$(TABLES))
+.PHONY: help install demo test test-slow test-demos test-all lint format clean-runs tables dashboard bench gpu-check \
+	$(addprefix table-,$(TABLES))
 
 help:
 	@echo "make install    create $(VENV) and install normexp with its dev extras"
@@ -27,6 +28,8 @@ help:
 	@echo "make tables     every table (one after another; the others go on when one has a failed run)"
 	@echo "make dashboard  import every run record into MLflow and serve its UI on http://127.0.0.1:5000"
 	@echo "make bench      normalizer and training-step benchmarks at a small size -> results/bench/*.md"
+	@echo "make gpu-check  on a CUDA machine: fused kernels, bf16, ViT-S steps, a torchrun kill/resume run"
+	@echo "                -> results/bench/gpu/*.md (minutes on one GPU)"
 
 install: $(STAMP)
 
@@ -76,3 +79,7 @@ bench: install
 
 clean-runs:
 	rm -rf outputs multirun
+
+# the GPU path (scripts/gpu_check.py --help): fused = plain kernels, bf16, benchmarks, a DDP run killed and resumed
+gpu-check: install
+	$(PY) scripts/gpu_check.py --out results/bench/gpu

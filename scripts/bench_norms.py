@@ -15,8 +15,8 @@ spell of a shared machine hits all of them; the median over rounds):
     unique storages, parameters and buffers excluded, the input included); device independent;
   - ``peak`` (CUDA only): ``torch.cuda.max_memory_allocated`` during forward+backward minus the memory
     allocated before it (input, output gradient, parameters);
-* ratios to LN and to the floor measured in the same run, and the target of issue 14 (DyT forward+backward
-  <= 1.0x LN at the ViT-B token shape).
+* ratios to LN and to the floor measured in the same run, and the project's target (DyT forward+backward
+  <= 1.0x LN at the ViT-B token shape; the DyT paper's Table 15 finds DyT as fast as a fused norm).
 
 ``-plain`` rows are the same normalizer with ``kernels=autograd`` (plain ops, autograd's backward), to show
 what the fused kernels of the default rows buy. PowerNorm is timed after its warm-up (``warmup_iters=0``):
@@ -48,7 +48,7 @@ from normexp.norms.functional import compiler_available  # noqa: E402
 functional.COMPILE_AFTER_CALLS = 0  # the steady state of a long run: fused kernels from the first call
 
 SHAPES = {"vit_s": (384, 6), "vit_b": (768, 12)}  # (C, heads); grid 14x14 + 1 class token
-# (shape, max forward+backward time ratio to LN) -- issue 14
+# (shape, max forward+backward time ratio to LN)
 TARGETS = {"dyt": ("vit_b", 1.0)}
 # row name -> (registered normalizer, hyper-parameters)
 VARIANTS = {

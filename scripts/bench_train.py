@@ -21,8 +21,8 @@ model and optimizer state it starts from (gradients cleared first) -- CUDA:
 ``torch.cuda.max_memory_allocated``; CPU: the running sum of the CPU allocator's allocations and frees
 recorded by ``torch.profiler(profile_memory=True)`` over the step (tensor memory only, not the process RSS).
 
-Ratios are printed against the targets of issue 14; on a shared machine they are noisy (re-run on a quiet
-one). Example:
+Ratios are printed against the project's targets (README, Benchmarks); on a shared machine they are noisy
+(re-run on a quiet one). Example:
 
     python scripts/bench_train.py --backbone vit_small --norms ln dyt dtn --batch 8 --rounds 3
 """
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import platform
 import statistics
 import sys
@@ -73,7 +74,7 @@ TIMM_EQUIVALENT = {
     "swin_base": "swin_base_patch4_window7_224", "pvt_v2_b0": "pvt_v2_b0", "pvt_v2_b1": "pvt_v2_b1",
     "pvt_v2_b2": "pvt_v2_b2",
 }
-# max step-time ratio to LN (issue 14 targets)
+# max step-time ratio to LN
 NORM_TARGETS = {"dyt": 1.00, "dtn": 1.15}
 LAYOUT_TARGET, TIMM_TARGET, TRAINER_TARGET = 1.15, 0.98, 0.97
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -219,7 +220,8 @@ def header(args: argparse.Namespace, device: torch.device) -> list[str]:
             f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
             f"timm {timm.__version__}",
             f"- command: `{' '.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}`",
-            f"- step: batch {args.batch}, {args.img_size} px, {args.precision}, device {device}; warm-up "
+            f"- step: batch {args.batch}, {args.img_size} px, {args.precision}, device {device}, "
+            f"torch.compile {'on' if args.compile else 'off'}; warm-up "
             f"{args.warmup} steps, {args.rounds} interleaved rounds of {args.steps} steps, median"]
 
 
@@ -241,7 +243,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trainer-steps", type=int, default=4, help="0: skip the trainer-overhead ratio")
     parser.add_argument("--no-timm", action="store_true")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile every model's training step (as trainer.compile=true does)")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables to this markdown file")
+    parser.add_argument("--json", type=Path, default=None, help="also write the cases' figures to this file")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -268,6 +273,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     batch = (torch.randn(args.batch, 3, args.img_size, args.img_size, generator=gen),
              torch.randint(0, args.num_classes, (args.batch,), generator=gen))
+    if args.compile:
+        for case in cases:
+            case.model = torch.compile(case.model)
     runners = {c.name: StepRunner(c.model, trainer_cfg, batch, args.precision, device) for c in cases}
     print("\n".join(header(args, device)), flush=True)
     for case in cases:  # warm-up (compiles any fused kernels), then the step's peak memory
@@ -303,10 +311,12 @@ def main() -> None:
                      f"{case.peak_mb:.0f} | {ratio} | {target} |")
     if args.trainer_steps > 0:
         cfg = cfg_for(args.backbone, "ln")
+        with open_dict(cfg):
+            cfg.trainer.compile = args.compile
         n = args.trainer_steps * args.batch
         images = torch.randn(n, 3, args.img_size, args.img_size, generator=gen)
         targets = torch.randint(0, args.num_classes, (n,), generator=gen)
-        model = copy.deepcopy(ln.model)
+        model = copy.deepcopy(getattr(ln.model, "_orig_mod", ln.model))
         trainer_s, minimal_s = trainer_overhead(cfg, model, images, targets, args.rounds, device)
         ratio = minimal_s / trainer_s
         lines += ["", f"Trainer ({args.backbone}, ln, {args.trainer_steps} steps per epoch, {args.rounds} "
@@ -319,6 +329,10 @@ def main() -> None:
         title = "# Training-step benchmark (scripts/bench_train.py)\n\n"
         args.out.write_text(title + "\n".join(lines) + "\n")
         print(f"wrote {args.out}")
+    if args.json:
+        cases_json = [{"name": c.name, "step_s": c.step_s, "images_per_s": args.batch / c.step_s,
+                       "peak_mb": c.peak_mb} for c in cases]
+        args.json.write_text(json.dumps({"batch": args.batch, "cases": cases_json}, indent=1))
 
 
 if __name__ == "__main__":

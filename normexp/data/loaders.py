@@ -40,18 +40,48 @@ def seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
+class SeededSamples(Dataset):
+    """A training set read by loader workers: each ``(index, sample_seed)`` from a keyed
+    :class:`ShardedSampler` seeds torch, numpy and python before its sample is loaded and augmented. So a
+    sample's augmentation is a function of (seed, epoch, position), never of the worker that drew it --
+    and a run resumed mid-epoch, with fresh workers, sees the pixels an uninterrupted run sees."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> object:
+        index, sample_seed = key
+        torch.manual_seed(sample_seed)
+        np.random.seed(sample_seed % 2**32)
+        random.seed(sample_seed)
+        return self.dataset[index]
+
+    def __getattr__(self, name: str) -> object:  # the wrapped dataset's own attributes (bad_files, ...)
+        if name == "dataset":  # not set yet (unpickling in a worker)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, seed: int,
                 pin_memory: bool = False, collate_fn: Callable | None = None, repeats: int = 1) -> DataLoader:
     """This process's loader of ``dataset`` (train: shuffled, whole global batches; eval: each sample once).
 
     The order comes from a :class:`ShardedSampler` over the processes of a distributed job, so the global
     batches do not depend on the number of processes; ``batch_size`` is per process. ``repeats`` > 1:
-    repeated augmentation. Call :func:`set_epoch` before each epoch.
+    repeated augmentation. Call :func:`set_epoch` before each epoch. Training with workers seeds each
+    sample (:class:`SeededSamples`); in the main process the augmentation draws from the process's RNG,
+    which checkpoints hold.
     """
     world = distributed.info()
+    keyed = train and num_workers > 0
     sampler = ShardedSampler(len(dataset), shuffle=train, seed=seed, rank=world.rank,
                              world_size=world.world_size, batch_size=batch_size, drop_last=train,
-                             repeats=repeats if train else 1)
+                             repeats=repeats if train else 1, keyed=keyed)
+    if keyed:
+        dataset = SeededSamples(dataset)
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -57,7 +57,7 @@ Choices this implementation makes (the official code only handles a 14x14 grid w
   class token (official ViT: the class token joins at block 10). Without a grid DTN raises; it never
   guesses one from N.
 * Statistics are computed in float32 with autocast disabled (``E[z^2] - E[z]^2`` cancels badly in half
-  precision); the output is cast back to the input dtype.
+  precision); the output has the dtype LayerNorm's has (float32 under CUDA autocast, else the input's).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .functional import RECOMPUTE, Kernels, check_data_format, check_kernels, resolve_kernels
+from .functional import RECOMPUTE, Kernels, check_data_format, check_kernels, output_dtype, resolve_kernels
 from .layout import TokenLayout
 from .registry import register_norm
 
@@ -432,22 +432,25 @@ class DTN(nn.Module):
             self._rel_grid = grid
         return self.rel_indices
 
-    def position_matrix(self, grid: tuple[int, int]) -> torch.Tensor:
+    def position_matrix(self, grid: tuple[int, int], dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense ``P[h, p, q]`` of shape [H, T', T'] for a (pooled) grid; sums over sources p are 1."""
-        rel = self._rel(grid, self.pos_proj.weight.device).to(self.pos_proj.weight.dtype)
-        logits = self.pos_proj(rel).permute(2, 0, 1)  # [H, p, q]
-        return logits.softmax(dim=1)
+        dtype = dtype or self.pos_proj.weight.dtype
+        rel = self._rel(grid, self.pos_proj.weight.device).to(dtype)
+        logits = F.linear(rel, self.pos_proj.weight.to(dtype), self.pos_proj.bias.to(dtype))
+        return logits.permute(2, 0, 1).softmax(dim=1)  # [H, p, q]
 
-    def position_factors(self, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def position_factors(self, grid: tuple[int, int], dtype: torch.dtype | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(Py [H, h, h], Px [H, w, w]) with ``P[h, (r', c'), (r, c)] = Py[h, r', r] * Px[h, c', c]``."""
         h, w = grid
-        rel = self._rel(grid, self.pos_proj.weight.device).to(self.pos_proj.weight.dtype)
+        dtype = dtype or self.pos_proj.weight.dtype
+        rel = self._rel(grid, self.pos_proj.weight.device).to(dtype)
         dx = rel[:w, :w, 0]  # sources and targets in row 0
         dy = rel[::w, ::w, 1]  # sources and targets in column 0
-        a = self.pos_proj.weight  # [H, 3]: coefficients of dx, dy, dx^2 + dy^2
+        a = self.pos_proj.weight.to(dtype)  # [H, 3]: coefficients of dx, dy, dx^2 + dy^2
         logit_x = a[:, 0, None, None] * dx + a[:, 2, None, None] * dx * dx
         # the bias cancels in the softmax; adding it keeps it in the graph (DDP expects every param used)
-        logit_x = logit_x + self.pos_proj.bias[:, None, None]
+        logit_x = logit_x + self.pos_proj.bias.to(dtype)[:, None, None]
         logit_y = a[:, 1, None, None] * dy + a[:, 2, None, None] * dy * dy
         return logit_y.softmax(dim=1), logit_x.softmax(dim=1)
 
@@ -469,8 +472,8 @@ class DTN(nn.Module):
         return (h, w), prefix
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        in_dtype = x.dtype
-        if in_dtype in (torch.float16, torch.bfloat16):
+        out_dtype = output_dtype(x)
+        if x.dtype in (torch.float16, torch.bfloat16):
             x = x.float()
         with torch.autocast(device_type=x.device.type, enabled=False):
             if self.data_format == "channels_first":
@@ -488,7 +491,7 @@ class DTN(nn.Module):
                 y = self._normalize(x, grid, prefix)
             else:
                 raise ValueError(f"DTN expects (B, N, C), (B, H, W, C) or (B, C, H, W), got {tuple(x.shape)}")
-        return y.to(in_dtype)
+        return y.to(out_dtype)
 
     def _normalize(self, x: torch.Tensor, grid: tuple[int, int], prefix: int,
                    map_size: tuple[int, int] | None = None) -> torch.Tensor:
@@ -535,16 +538,17 @@ class DTN(nn.Module):
         # stats: (2, B, h, w, H, d) views
 
         # (3) mix per head and (4) standardise + affine
-        lam_mu, lam_var = self.mixing_weights()
-        args = (xs, stats, mu_ln, var_ln, lam_mu, lam_var, self.weight, self.bias, self.eps, prefix,
-                from_moments)
+        # parameters in the statistics' dtype (a bfloat16 model computes them in float32, see forward)
+        lam_mu, lam_var = (None if t is None else t.to(x.dtype) for t in self.mixing_weights())
+        weight, bias = self.weight.to(x.dtype), self.bias.to(x.dtype)
+        args = (xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight, bias, self.eps, prefix, from_moments)
         if fused:
             return _Mix.apply(*args, map_size, kernels)
         y = _output_buffer(xs, map_size)
         kernels.mix(_head_major(y, prefix, grid, nh), *args)
         if prefix:
             y[:, :prefix] = _ln_prefix(xs[:, :prefix], mu_ln[:, :prefix], var_ln[:, :prefix], self.eps) \
-                * self.weight + self.bias
+                * weight + bias
         return y
 
     def _apply_position(self, s: torch.Tensor, target_grid: tuple[int, int] | None = None) -> torch.Tensor:
@@ -555,7 +559,7 @@ class DTN(nn.Module):
         """
         nh, h, w, m, d = s.shape
         if self.separable:
-            py, px = self.position_factors((h, w))
+            py, px = self.position_factors((h, w), s.dtype)
             if target_grid is not None and target_grid != (h, w):
                 py = py[:, :, _nearest_index(h, target_grid[0], py.device)]
                 px = px[:, :, _nearest_index(w, target_grid[1], px.device)]
@@ -565,7 +569,7 @@ class DTN(nn.Module):
             return s.view(nh, py.shape[2], px.shape[2], m, d)
         if target_grid is not None and target_grid != (h, w):
             raise ValueError("the dense position matrix takes targets on the grid of its input")
-        p = self.position_matrix((h, w))
+        p = self.position_matrix((h, w), s.dtype)
         s = torch.bmm(p.transpose(1, 2), s.reshape(nh, h * w, m * d))
         return s.view(nh, h, w, m, d)
 

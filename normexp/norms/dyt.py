@@ -36,7 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .functional import Kernels, channel_affine, check_data_format, check_kernels, resolve_kernels
+from .functional import (
+    Kernels,
+    channel_affine,
+    check_data_format,
+    check_kernels,
+    output_dtype,
+    resolve_kernels,
+)
 from .registry import register_norm
 
 SQUASH: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -155,10 +162,11 @@ class DyT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mode = resolve_kernels(self.kernels, x, (DyT, self.squash, self.data_format))
         if mode == "autograd":
-            y = SQUASH[self.squash](self.alpha * x)
-            return channel_affine(y, self.weight, self.bias, self.data_format)
-        return _DyTFunction.apply(x, self.alpha, self.weight, self.bias, self.squash,
-                                  self.data_format == "channels_first", _KERNELS.get(mode))
+            y = channel_affine(SQUASH[self.squash](self.alpha * x), self.weight, self.bias, self.data_format)
+        else:
+            y = _DyTFunction.apply(x, self.alpha, self.weight, self.bias, self.squash,
+                                   self.data_format == "channels_first", _KERNELS.get(mode))
+        return y.to(output_dtype(x))
 
     def extra_repr(self) -> str:
         learnable = isinstance(self.alpha, nn.Parameter)

@@ -35,6 +35,14 @@ def channel_affine(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     return x
 
 
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype LayerNorm returns for ``x`` here, which every normalizer returns too: float32 under CUDA
+    autocast (``layer_norm`` is on its float32 list), else ``x``'s (CPU autocast keeps bfloat16 inputs)."""
+    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return torch.float32
+    return x.dtype
+
+
 # ----------------------------------------------------------------------------- fused kernels
 # DyT and DTN have a fused path: an autograd Function with a hand-written backward whose kernels are plain
 # torch functions, run op by op ("eager") or compiled by torch.compile into a few loops ("compiled").
@@ -46,6 +54,7 @@ COMPILE_MIN_NUMEL = 2**19
 # win back. Benchmarks of the steady state set it to 0.
 COMPILE_AFTER_CALLS = 50
 _calls: collections.Counter = collections.Counter()
+RECOMPILE_LIMIT = 64
 
 # C++ kernels may fuse a*b+c into one FMA (more accurate, and it halves the arithmetic of polynomials)
 _COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
@@ -118,6 +127,9 @@ class Kernels:
         if mode != "compiled":
             return self.eager
         if self._compiled is None:
+            # each specialisation (layout, squash, dtype, autocast, static then dynamic shapes) recompiles
+            # the same function; past dynamo's limit (8 per function) the rest would silently run op by op
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             compiled = {name: _with_fallback(torch.compile(fn, options=self.options), fn)
                         for name, fn in vars(self.eager).items()}
             self._compiled = SimpleNamespace(**compiled)
