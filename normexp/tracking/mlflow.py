@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .provenance import config_hash
-from .records import output_root, read_metrics, run_labels
+from .records import display_name, output_root, read_metrics, run_labels
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +187,8 @@ def import_records(records: Iterable[tuple[Path, dict[str, Any], dict[str, Any]]
             continue
         start, end = _millis(summary.get("started_at")), _millis(summary.get("finished_at"))
         experiment = (config.get("table") or {}).get("id") or default_experiment
-        run_id = store.start(experiment, config.get("name"), mlflow_tags(config, run_dir, summary["run_id"]),
-                             start)
+        tags = mlflow_tags(config, run_dir, summary["run_id"])
+        run_id = store.start(experiment, display_name(config), tags, start)
         store.log_params(run_id, flatten(config))
         stamp = start or int(time.time() * 1000)
         store.log_metrics(run_id, [(numeric_metrics(row), int(row.get("step") or 0), stamp)
