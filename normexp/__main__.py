@@ -138,12 +138,14 @@ def _remove_empty(run_dir: Path) -> None:
 
     root = output_root().resolve()
     path = run_dir.resolve()
-    while path != root and root in path.parents:
+    while True:
         try:
             path.rmdir()
         except OSError:  # not empty (another run's), or gone
             return
         path = path.parent
+        if path == root or root not in path.parents:  # parents only up to the output root
+            return
 
 
 def continue_hint(cfg: DictConfig) -> str:
