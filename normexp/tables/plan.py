@@ -105,12 +105,25 @@ class TablePlan:
                   for k in self.spec.label_keys]
         return "/".join([self.spec.id, *labels, f"s{run.points[0].seed}"])
 
+    def dashboard_metric(self, run: PlannedRun) -> str | None:
+        """The table's headline metric as dashboards name it (``final/val/top1``; the EMA's when the run
+        evaluates one), or None for one that is not a final metric (``params``)."""
+        from ..tasks import get_task
+
+        task = get_task(run.config["task"]["name"])
+        reported = task.metrics(run.config) if task.metrics else []
+        metric = next((m for m in self.spec.metrics if m.delta), self.spec.metrics[0])
+        names = [p.removeprefix("metrics.final.") for p in metric.value if p.startswith("metrics.final.")]
+        return next((f"final/{n}" for n in names if n in reported), None)
+
     def job_overrides(self, run: PlannedRun, root: Path | None = None) -> list[str]:
         """The overrides of ``run``'s job: its settings, where it lives, which table row it serves and what
         dashboards call it (``table.*`` is not part of the run's identity)."""
         point = run.points[0]
         marks = [f"+table.id={self.spec.id}", f"+table.scale={self.scale.name}",
                  f"+table.run_name={_override_value(self.run_name(run))}"]
+        metric = self.dashboard_metric(run)
+        marks += [f"+table.metric={_override_value(metric)}"] if metric else []
         marks += [f"+table.row.{k}={_override_value(v)}" for k, v in point.labels.items()]
         where = table_dir(self.spec.id, self.scale.name, root)
         return [*run.overrides, *marks, f"hydra.sweep.dir={_override_value(where)}",

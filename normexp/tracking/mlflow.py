@@ -191,8 +191,14 @@ def import_records(records: Iterable[tuple[Path, dict[str, Any], dict[str, Any]]
         run_id = store.start(experiment, display_name(config), tags, start)
         store.log_params(run_id, flatten(config))
         stamp = start or int(time.time() * 1000)
+        rows = _rows(run_dir)
+        first = (config.get("table") or {}).get("metric")  # a table's metric: the one its comparison shows
+        headline = {k: v for k, v in summary_metrics(summary).items() if k == first}
+        if headline:  # logged first, MLflow's compare page plots it by default
+            step = max((r.get("step") or 0 for r in rows), default=0)
+            store.log_metrics(run_id, [(headline, step, end or stamp)])
         store.log_metrics(run_id, [(numeric_metrics(row), int(row.get("step") or 0), stamp)
-                                   for row in _rows(run_dir) if numeric_metrics(row)])
+                                   for row in rows if numeric_metrics(row)])
         store.finish(run_id, run_dir, summary, artifacts, end_time=end)
         known.add(summary["run_id"])
         imported += 1
