@@ -58,7 +58,7 @@ def declared_requirements() -> dict[str, str]:
     return {Requirement(d).name: str(Requirement(d).specifier) for d in deps}
 
 
-def tested_versions() -> dict[str, str]:
+def constraint_versions() -> dict[str, str]:
     pins = [line.split("#")[0].strip() for line in (ROOT / "constraints.txt").read_text().splitlines()]
     return dict(pin.split("==") for pin in pins if pin)
 
@@ -70,7 +70,7 @@ def test_torch_is_a_supported_range_and_the_tested_versions_are_pinned_apart():
 
     from packaging.specifiers import SpecifierSet
 
-    declared, tested = declared_requirements(), tested_versions()
+    declared, tested = declared_requirements(), constraint_versions()
     for name, oldest in (("torch", "2.5.0"), ("torchvision", "0.20.0")):
         allowed = SpecifierSet(declared[name])
         assert oldest in allowed and tested[name] in allowed
