@@ -15,7 +15,8 @@ TABLE_ARGS = --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(LAUNCHER),-
 	$(addprefix table-,$(TABLES))
 
 help:
-	@echo "make install    create $(VENV) and install normexp with its dev extras"
+	@echo "make install    create $(VENV) and install normexp with its dev extras, at the tested versions"
+	@echo "                (constraints.txt)"
 	@echo "make demo       train the micro ViT (LayerNorm) on the embedded digits data"
 	@echo "make test       the test suite (6-10 min on 2 cores): everything but the two tiers below"
 	@echo "make test-slow  the slow tier: multi-process, kill/resume, install, launcher, MLflow server,"
@@ -33,9 +34,10 @@ help:
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# the tested versions (constraints.txt) within the ranges pyproject.toml supports
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-input -e '.[dev]'
+	$(PY) -m pip install --quiet --no-input -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: install

@@ -30,9 +30,8 @@ from typing import Any
 import yaml
 
 from .errors import UserError
-from .tables.plan import Record, index_records
 from .tables.spec import Metric, get_path
-from .tracking.records import output_root
+from .tracking.records import Record, index_records, output_root
 
 
 @dataclass

@@ -1,18 +1,32 @@
-"""The schema of a run's config: structured (dataclass) configs that every composed config must fit.
+"""The schema of a run's config, and the one validation pass every config goes through before any work.
 
-``validate(cfg)`` merges the resolved config into these dataclasses -- OmegaConf checks every type and
-refuses every key the schema does not have -- then checks the ranges the fields declare in their metadata.
-Any problem is one :class:`UserError` line naming the key, the bad value and what is allowed, raised before
-any work (``normexp.run``): exit code 2, no traceback.
+``validate(cfg)`` checks, before any model, data or file is built:
 
-Groups whose keys depend on the option chosen (``backbone``: the model's constructor arguments, ``norm``:
-the normalizer's hyper-parameters) are open here; their builders refuse unknown keys with the list of valid
-ones. ``data`` has one schema per dataset.
+1. every interpolation resolves;
+2. every value fits the schema -- the dataclasses below (the top level, the trainer, each dataset) and each
+   normalizer's options, derived from its constructor (``normexp.norms.registry.hyperparameters``): types,
+   ranges, choices; unknown keys are refused; every float is finite and every integer fits in 64 bits;
+3. values that depend on one another: the task and its data, the metric ``trainer.best_metric`` ranks by,
+   the optimizer, the global batch, Mixup's pairs, the backbone's input size;
+4. with ``environment=True``, what this machine must provide: the data at ``data.root`` (layout, class
+   count), the device, the task's own inputs (a reference run).
+
+``normexp.run`` then builds the model on the meta device (``normexp.models.build.check_buildable``): what
+only the model knows (a group count that must divide every width) is refused there, still before anything
+is written. Any problem is one :class:`UserError` line naming the key, the bad value and what is allowed:
+exit code 2, no traceback.
+
+The ``backbone`` and ``task`` groups are open here (their keys are the model's constructor arguments and
+the task's settings); their builders refuse what they cannot use. ``data`` has one schema per dataset.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+import difflib
+import math
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, make_dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -20,9 +34,13 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from .errors import UserError
 
+INT64_MAX = 2**63 - 1
+
 
 def rng(low: float | None = None, high: float | None = None, **kw: Any) -> dict[str, Any]:
-    """Field metadata: an inclusive range (``low``/``high``), ``above`` (exclusive), ``choices``."""
+    """Field metadata: an inclusive range (``low``/``high``), ``above``/``below`` (exclusive), ``choices``,
+    ``length`` (of a list), ``items`` (checks for each element), ``check`` (a function returning what is
+    wrong, or None)."""
     return {k: v for k, v in {"min": low, "max": high, **kw}.items() if v is not None}
 
 
@@ -30,6 +48,30 @@ def _f(default: Any, **check: Any) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: default, metadata=check)
     return field(default=default, metadata=check)
+
+
+def _device(value: str) -> str | None:
+    import torch
+
+    if value == "auto":
+        return None
+    try:
+        torch.device(value)
+    except (RuntimeError, ValueError):
+        return "must be auto, cpu, cuda, cuda:<index> or another torch device"
+    return None
+
+
+def _optimizer(value: str) -> str | None:
+    from timm.optim import list_optimizers
+
+    known = list_optimizers()
+    name = value.lower().split("_")[-1]  # timm's prefixes: lookahead_adamw
+    if name in known:
+        return None
+    close = difflib.get_close_matches(name, known, n=3)
+    return f"not an optimizer timm knows ({'did you mean ' + ', '.join(close) + '? ' if close else ''}" \
+        "see timm.optim.list_optimizers())"
 
 
 @dataclass
@@ -51,31 +93,31 @@ class EmaSchema:
 @dataclass
 class TrainerSchema:
     epochs: int = _f(30, **rng(1))
-    device: str = "auto"
+    device: str = _f("auto", check=_device)
     amp: str | None = _f(None, choices=["bf16", "fp16", None])
-    opt: str = "adamw"
+    opt: str = _f("adamw", check=_optimizer)
     lr: float = _f(2e-3, above=0)
     lr_base_size: int | None = _f(None, **rng(1))
     lr_scale_warmup_min: bool = True
     weight_decay: float = _f(0.05, **rng(0))
     decay_norm_and_bias: bool = False
     opt_eps: float = _f(1e-8, above=0)
-    betas: list[float] = _f([0.9, 0.999])
+    betas: list[float] = _f([0.9, 0.999], length=2, items=rng(0, below=1))
     sched: str = _f("cosine", choices=["cosine", "multistep", "step", "plateau", "poly", "tanh"])
-    decay_milestones: list[int] | None = None
+    decay_milestones: list[int] | None = _f(None, items=rng(0))
     decay_rate: float = _f(0.1, above=0)
     warmup_epochs: float = _f(3, **rng(0))
     warmup_iters: int | None = _f(None, **rng(0))
     warmup_lr: float = _f(1e-6, **rng(0))
     min_lr: float = _f(1e-5, **rng(0))
-    smoothing: float = _f(0.1, **rng(0, 1))
+    smoothing: float = _f(0.1, **rng(0, below=1))
     mixup: MixupSchema = field(default_factory=MixupSchema)
     ema: EmaSchema = field(default_factory=EmaSchema)
     clip_grad: float | None = _f(None, above=0)
     clip_mode: str = _f("norm", choices=["norm", "value", "agc"])
     max_loss: float | None = _f(None, above=0)
     eval_interval: int = _f(1, **rng(1))
-    best_metric: str = "val/top1"
+    best_metric: str = "val/top1"  # one of the task's metrics: checked against the task below
     log_interval: int = _f(50, **rng(0))
     checkpoint: bool = True
     checkpoint_interval: int = _f(0, **rng(0))
@@ -122,8 +164,8 @@ class ImageNetSchema(LoaderFields):
     remode: str = _f("pixel", choices=["pixel", "rand", "const"])
     recount: int = _f(1, **rng(1))
     crop_pct: float = _f(0.875, above=0, max=1)
-    mean: list[float] = _f([0.485, 0.456, 0.406])
-    std: list[float] = _f([0.229, 0.224, 0.225])
+    mean: list[float] = _f([0.485, 0.456, 0.406], length=3)
+    std: list[float] = _f([0.229, 0.224, 0.225], length=3, items=rng(above=0))
     aug_repeats: int = _f(0, **rng(0))
     on_bad_image: str = _f("skip", choices=["skip", "fail"])
 
@@ -135,8 +177,8 @@ class CocoSchema(LoaderFields):
     val_split: str = "val2017"
     min_size: Any = 800  # shorter side; a list: one drawn per training image (multi-scale)
     max_size: int = _f(1333, **rng(1))
-    mean: list[float] = _f([0.485, 0.456, 0.406])
-    std: list[float] = _f([0.229, 0.224, 0.225])
+    mean: list[float] = _f([0.485, 0.456, 0.406], length=3)
+    std: list[float] = _f([0.229, 0.224, 0.225], length=3, items=rng(above=0))
     hflip: float = _f(0.5, **rng(0, 1))
     filter_empty_gt: bool = True
     min_image_size: int = _f(32, **rng(0))
@@ -147,8 +189,8 @@ class CocoDigitsSchema(CocoSchema):
     canvas_size: int = _f(96, **rng(32))
     num_train: int = _f(1000, **rng(1))
     num_val: int = _f(200, **rng(1))
-    digits_per_image: list[int] = _f([2, 4])
-    digit_size: list[int] = _f([12, 28])
+    digits_per_image: list[int] = _f([2, 4], length=2, items=rng(1))
+    digit_size: list[int] = _f([12, 28], length=2, items=rng(1))
     max_overlap: float = _f(0.3, **rng(0, 1))
     generator_seed: int = 0
 
@@ -158,8 +200,14 @@ DATA_SCHEMAS: dict[str, type] = {"digits": DigitsSchema, "imagenet": ImageNetSch
 
 
 @dataclass
+class PlacementSchema:
+    keep: list[str] = field(default_factory=list)
+    first_blocks: int | None = _f(None, **rng(0))
+
+
+@dataclass
 class RunSchema:
-    seed: int = 0
+    seed: int = _f(0, **rng(0, INT64_MAX))
     name: str = "???"
     tags: list[str] = field(default_factory=list)
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
@@ -172,6 +220,87 @@ class RunSchema:
     launcher: dict[str, Any] | None = None
 
 
+# ---------------------------------------------------------------- schemas derived from the normalizers
+def _omegaconf_type(annotation: Any) -> Any:
+    """The annotation if OmegaConf can check it (a plain type, or one of them or None), else Any."""
+    plain = (int, float, bool, str)
+    args = typing.get_args(annotation)
+    if args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0] | None if len(rest) == 1 and rest[0] in plain else Any
+    return annotation if annotation in plain else Any
+
+
+def norm_schema(name: str) -> type | None:
+    """The schema of ``norm=<name>``: its options from the normalizer's constructor, plus ``placement``."""
+    from .norms.registry import hyperparameters
+
+    options = hyperparameters(name)
+    if options is None:
+        return None
+    return make_dataclass(f"Norm_{name}", [
+        ("name", str, field(default="???")),
+        ("placement", PlacementSchema, field(default_factory=PlacementSchema)),
+        *[(o.name, _omegaconf_type(o.type), field(default=None if o.default is MISSING else o.default,
+                                                  metadata=o.checks)) for o in options]])
+
+
+# ---------------------------------------------------------------- checking values against a schema
+def _shown(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_value(key: str, value: Any, check: dict[str, Any]) -> None:
+    """One value (or list) against its field's checks; a float must be finite, an integer fit in 64 bits."""
+    shown = f"{key}={_shown(value)}"
+    if isinstance(value, (list, tuple)):
+        if "length" in check and len(value) != check["length"]:
+            raise UserError(f"{shown}: must have {check['length']} values")
+        for i, item in enumerate(value):
+            check_value(f"{key}[{i}]", item, check.get("items", {}))
+        return
+    if "choices" in check and value not in check["choices"]:
+        raise UserError(f"{shown}: must be one of {', '.join(_shown(c) for c in check['choices'])}")
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{shown}: must be a finite number")
+    if isinstance(value, int) and abs(value) > INT64_MAX:
+        raise UserError(f"{shown}: out of range (integers must fit in 64 bits)")
+    if isinstance(value, (int, float)):
+        for bound, fails, says in (("min", float.__lt__, ">="), ("max", float.__gt__, "<="),
+                                   ("above", float.__le__, ">"), ("below", float.__ge__, "<")):
+            if bound in check and fails(float(value), float(check[bound])):
+                raise UserError(f"{shown}: must be {says} {check[bound]}")
+    problem = check["check"](value) if "check" in check else None
+    if problem:
+        raise UserError(f"{shown}: {problem}")
+
+
+def _check_fields(schema: type, values: DictConfig, where: str) -> None:
+    for f in fields(schema):
+        key = f"{where}.{f.name}" if where else f.name
+        nested = f.default_factory if f.default_factory is not MISSING else None
+        if isinstance(nested, type) and is_dataclass(nested):
+            _check_fields(nested, values[f.name], key)
+        else:
+            value = values[f.name]
+            plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            check_value(key, plain, dict(f.metadata))
+
+
+def _check_numbers(tree: Any, where: str) -> None:
+    """Every number anywhere (the open groups too): finite, and within 64 bits."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _check_numbers(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            _check_numbers(v, f"{where}[{i}]")
+    else:
+        check_value(where, tree, {})
+
+
 def _schema_at(schema: type, path: list[str]) -> type:
     """The dataclass that holds the key at ``path`` (its parent's schema)."""
     for name in path[:-1]:
@@ -182,7 +311,26 @@ def _schema_at(schema: type, path: list[str]) -> type:
     return schema
 
 
-def _merge(schema: type, values: Any, where: str) -> Any:
+def schema_keys(key: str) -> list[str]:
+    """The keys the schema allows beside ``key`` (none when its parent is an open group: backbone, task)."""
+    path = key.split(".")
+    schema = _schema_at(RunSchema, path)
+    return [f.name for f in fields(schema)] if len(path) == 1 or schema is not RunSchema else []
+
+
+def unknown_key(key: str, known: list[str] | None = None) -> UserError:
+    """``unknown config key <key>`` with the closest known keys and all of them (by default: the schema's
+    keys beside it)."""
+    parent, _, leaf = key.rpartition(".")
+    known = schema_keys(key) if known is None else known
+    if not known:
+        return UserError(f"unknown config key {key}")
+    close = difflib.get_close_matches(leaf, known, n=3)
+    hint = f"did you mean {', '.join(f'{parent}.{c}' if parent else c for c in close)}? " if close else ""
+    return UserError(f"unknown config key {key}: {hint}{parent or 'the config'} has {', '.join(known)}")
+
+
+def _merge(schema: type, values: Any, where: str) -> DictConfig:
     try:
         return OmegaConf.merge(OmegaConf.structured(schema), values)
     except OmegaConfBaseException as e:
@@ -190,44 +338,144 @@ def _merge(schema: type, values: Any, where: str) -> Any:
         key = ".".join(k for k in (where, inner) if k)
         first = str(e).strip().splitlines()[0]
         if isinstance(e, ConfigKeyError):
-            parent, _, _ = key.rpartition(".")
-            allowed = ", ".join(f.name for f in fields(_schema_at(schema, inner.split("."))))
-            raise UserError(f"unknown config key {key}: {parent or 'the config'} has {allowed}") from None
+            raise unknown_key(key, [f.name for f in fields(_schema_at(schema, inner.split(".")))]) from None
         raise UserError(f"bad value for {key}: {first}") from None
 
 
-def _check_ranges(schema: type, values: DictConfig, where: str) -> None:
-    for f in fields(schema):
-        value = values[f.name]
-        key = f"{where}.{f.name}" if where else f.name
-        if is_dataclass(f.type) or (isinstance(f.default_factory, type) and is_dataclass(f.default_factory)):
-            _check_ranges(f.default_factory, value, key)  # type: ignore[arg-type]
-            continue
-        check, shown = f.metadata, f"{key}={value}"
-        if "choices" in check and value not in check["choices"]:
-            allowed = ", ".join("null" if c is None else str(c).lower() if isinstance(c, bool) else str(c)
-                                for c in check["choices"])
-            raise UserError(f"{shown}: must be one of {allowed}")
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if "min" in check and value < check["min"]:
-            raise UserError(f"{shown}: must be >= {check['min']}")
-        if "max" in check and value > check["max"]:
-            raise UserError(f"{shown}: must be <= {check['max']}")
-        if "above" in check and value <= check["above"]:
-            raise UserError(f"{shown}: must be > {check['above']}")
+def fit_schema(schema: type, values: Any, where: str) -> DictConfig:
+    """``values`` merged into ``schema`` (types, unknown keys), then every field's checks."""
+    merged = _merge(schema, values, where)
+    _check_fields(schema, merged, where)
+    return merged
 
 
-def validate(cfg: DictConfig) -> None:
-    """Refuse a config that does not fit the schema, in one line naming the key and what is allowed."""
+# ---------------------------------------------------------------- values that depend on one another
+def _get(tree: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _task_and_data(values: dict[str, Any]) -> Iterator[str]:
+    from .tasks import get_task
+
+    task, data = get_task(values["task"]["name"]), values["data"].get("name")
+    if task.data and data not in task.data:
+        yield (f"task={values['task']['name']} reads {' or '.join(f'data={d}' for d in task.data)}, "
+               f"not data={data}")
+    metrics = task.metrics(values) if task.metrics else None
+    best = values["trainer"]["best_metric"]
+    if metrics is not None and best not in metrics:
+        close = difflib.get_close_matches(best, metrics, n=1)
+        yield (f"trainer.best_metric={best}: {'did you mean ' + close[0] + '? ' if close else ''}"
+               f"task={values['task']['name']} reports {', '.join(metrics)}")
+
+
+def _batches(values: dict[str, Any]) -> Iterator[str]:
+    from .engine.distributed import launcher_env
+    from .engine.trainer import accumulation_steps
+
+    trainer, batch = values["trainer"], values["data"]["batch_size"]
+    mixup = trainer["mixup"]
+    if (mixup["mixup_alpha"] > 0 or mixup["cutmix_alpha"] > 0) and batch % 2:
+        yield (f"data.batch_size={batch}: Mixup / CutMix (trainer.mixup) mix each batch with itself reversed "
+               f"and need an even batch per process: use data.batch_size={batch + 1} or {batch - 1}")
+    world = (launcher_env() or _Alone).world_size
     try:
-        values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        accumulation_steps(trainer["global_batch"], batch, world, trainer["accum_steps"])
+    except UserError as e:
+        yield str(e)
+
+
+class _Alone:
+    world_size = 1
+
+
+def _input_size(values: dict[str, Any]) -> Iterator[str]:
+    backbone, data = values["backbone"], values["data"]
+    img, patch = backbone.get("img_size"), backbone.get("patch_size")
+    if isinstance(img, int) and isinstance(patch, int) and patch > 0 and img % patch:
+        yield (f"backbone.img_size={img} is not a multiple of backbone.patch_size={patch}: use an image size "
+               f"of {img // patch * patch or patch} or {(img // patch + 1) * patch} (data.img_size; the "
+               "backbone's follows it)")
+    dense = values["task"]["name"] == "detection"  # any input size: detectors resize, dense models adapt
+    fixed = not dense and not backbone.get("dynamic_img_size")
+    if fixed and isinstance(img, int) and img != data.get("img_size"):
+        yield (f"backbone.img_size={img} but the images are data.img_size={data.get('img_size')} px: set "
+               "data.img_size (the backbone's follows it), not backbone.img_size")
+
+
+def _loggers(values: dict[str, Any]) -> Iterator[str]:
+    from .tracking import MIRRORS
+
+    unknown = sorted(set(values.get("logger") or {}) - set(MIRRORS))
+    if unknown:
+        yield f"unknown logger(s) {unknown}; use logger=wandb, mlflow, none or a list of them"
+
+
+CROSS_CHECKS: tuple[Callable[[dict[str, Any]], Iterator[str]], ...] = (_task_and_data, _batches, _input_size,
+                                                                       _loggers)
+
+
+# ---------------------------------------------------------------- what the machine must provide
+def _device_available(cfg: DictConfig) -> None:
+    import torch
+
+    device = cfg.trainer.device
+    if not str(device).startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise UserError(f"trainer.device={device} but CUDA is not available; use trainer.device=cpu or auto")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise UserError(f"trainer.device={device}: this machine has {torch.cuda.device_count()} CUDA "
+                        "device(s)")
+
+
+def check_environment(cfg: DictConfig) -> None:
+    """The data at its root, the device, the task's own inputs."""
+    from .data import check_data
+    from .tasks import get_task
+
+    check_data(cfg.data)
+    _device_available(cfg)
+    task = get_task(cfg.task.name)
+    if task.check is not None:
+        task.check(cfg)
+
+
+# ---------------------------------------------------------------- the one pass
+def resolve(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain containers; an interpolation that does not resolve is one line."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", "") or ""
-        raise UserError(f"config key {key} cannot be resolved: {str(e).strip().splitlines()[0]}") from None
-    run = _merge(RunSchema, values, "")
-    _check_ranges(RunSchema, run, "")
-    data_schema = DATA_SCHEMAS.get(values.get("data", {}).get("name"))
+        first = str(e).strip().splitlines()[0]
+        raise UserError(f"config key {key} cannot be resolved: {first}") from None
+
+
+def validate(cfg: DictConfig, environment: bool = True) -> None:
+    """Refuse a config that does not fit the schema, in one line naming the key and what is allowed.
+
+    ``environment=False``: the config alone (e.g. when planning a table on a machine without its data)."""
+    values = resolve(cfg)
+    _check_numbers(values, "")
+    fit_schema(RunSchema, values, "")
+    data_schema = DATA_SCHEMAS.get(values["data"].get("name"))
     if data_schema is not None:
-        data = _merge(data_schema, values["data"], "data")
-        _check_ranges(data_schema, data, "data")
+        fit_schema(data_schema, values["data"], "data")
+    norm = values["norm"]
+    try:
+        schema = norm_schema(norm.get("name"))
+    except ValueError as e:  # an unknown normalizer
+        raise UserError(f"norm.name={norm.get('name')}: {e}") from None
+    if schema is not None:
+        fit_schema(schema, norm, "norm")
+    for check in CROSS_CHECKS:
+        for problem in check(values):
+            raise UserError(problem)
+    if environment:
+        check_environment(cfg)

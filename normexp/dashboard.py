@@ -23,8 +23,7 @@ from typing import Any
 import yaml
 
 from .errors import UserError
-from .tables.plan import Record, index_records
-from .tracking.records import output_root
+from .tracking.records import Record, index_records, output_root
 
 
 def finished_records(records: Iterable[Record]) -> Iterator[tuple[Path, dict[str, Any], dict[str, Any]]]:

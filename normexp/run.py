@@ -1,89 +1,252 @@
-"""One entry for every task: validate, prepare, seed, record, dispatch. Nothing here touches Hydra.
+"""One entry for every task: validate, decide how a run starts, record, dispatch. Nothing here touches Hydra.
 
-In a distributed job every process runs this; process 0 alone writes the record, its directory and the
-loggers, and every process uses that directory.
+The order is what makes a refusal harmless:
+
+1. the config is validated (``normexp.config.validate``), the task prepares it (a checkpoint's model for
+   robustness) and the model is built on the meta device -- before anything is written;
+2. process 0 claims the run directory (``run.lock``, ``normexp.tracking.lock``) and decides how the run
+   starts (:func:`decide_start`): afresh; resumed from a checkpoint, read and verified now; already done
+   (nothing to do, nothing touched); or refused -- the directory holds another config's run, or a
+   checkpoint that does not read back whole. A refusal leaves every file of the directory as it was.
+   With ``find_unfinished`` (the run directory is one Hydra has just made for this command), an unfinished
+   run of the same identity under the output root is continued in its own directory instead: rerunning the
+   command that was interrupted continues it;
+3. only then is the record written (:class:`RunRecord`) and the task run into it.
+
+In a distributed job every process runs this; process 0 alone decides and writes the record, its directory
+and the loggers, and every process follows its decision.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig
 
-from .config import validate
+from .config import resolve, validate
 from .engine import distributed
+from .engine.checkpoint import checkpoint_file, load_checkpoint
 from .engine.trainer import Diverged, Interrupted
 from .errors import UserError, one_line
+from .models import check_buildable
 from .tasks import get_task
-from .tracking.provenance import seed_everything
-from .tracking.records import MetricsMirror, RunRecord, run_tags
+from .tracking import MIRRORS
+from .tracking.lock import RunLock
+from .tracking.provenance import NON_IDENTITY_KEYS, config_hash, seed_everything
+from .tracking.records import (
+    DONE,
+    MetricsMirror,
+    Record,
+    RunRecord,
+    display_name,
+    effective_status,
+    iter_records,
+    output_root,
+    read_metrics,
+    remove_stale_temporaries,
+    run_tags,
+)
 
 log = logging.getLogger(__name__)
-
-
-MIRRORS = {"wandb": ("normexp.tracking.wandb", "WandbMirror"),
-           "mlflow": ("normexp.tracking.mlflow", "MlflowMirror")}
 
 
 def build_mirrors(cfg: DictConfig, run_dir: Path, config: dict[str, Any]) -> list[MetricsMirror]:
     """The loggers of ``cfg.logger`` (none, one or several: ``logger=[wandb,mlflow]``), each mirroring the
     record; imported only when used."""
-    import importlib
-
-    loggers = cfg.get("logger") or {}
-    unknown = sorted(set(loggers) - set(MIRRORS))
-    if unknown:
-        raise UserError(f"unknown logger(s) {unknown}; use logger=wandb, mlflow, none or a list of them")
     mirrors = []
-    for name, settings in loggers.items():
+    for name, settings in (cfg.get("logger") or {}).items():
         module, cls = MIRRORS[name]
         mirror = getattr(importlib.import_module(module), cls)
-        mirrors.append(mirror(settings, run_dir, config, name=cfg.name, tags=run_tags(config)))
+        mirrors.append(mirror(settings, run_dir, config, name=display_name(config), tags=run_tags(config)))
     return mirrors
 
 
+# ---------------------------------------------------------------- how a run starts
+@dataclass
+class Start:
+    """How the run starts: ``fresh``, ``resume`` (from ``state``, a verified checkpoint) or ``done``."""
+
+    kind: str
+    run_dir: Path
+    state: dict[str, Any] | None = None
+    keep_rows_until: int = 0  # metrics.jsonl rows of the directory kept: those up to the checkpoint's step
+    summary: dict[str, Any] | None = None  # the existing record's, when done
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def differences(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> str:
+    """The identity keys whose values differ, ``key: old -> new``, the first ``limit`` of them."""
+    a, b = _flat(old), _flat(new)
+    ignored = tuple(NON_IDENTITY_KEYS)
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+            and not any(k == i or k.startswith(i + ".") for i in ignored)]
+    shown = [f"{k}: {a.get(k, '(none)')} -> {b.get(k, '(none)')}" for k in keys[:limit]]
+    return "; ".join(shown) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _existing(run_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The summary and config of the record already in ``run_dir`` (None, None: no record)."""
+    summary = config = None
+    try:
+        if (run_dir / "summary.json").is_file():
+            summary = json.loads((run_dir / "summary.json").read_text())
+        if (run_dir / "config.yaml").is_file():
+            config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise UserError(f"{run_dir} holds a record that does not read back ({type(e).__name__}): give this "
+                        "run a directory of its own, or move that one away") from None
+    return summary if isinstance(summary, dict) else None, config if isinstance(config, dict) else None
+
+
+def _rows_until(run_dir: Path, state: dict[str, Any]) -> int:
+    """The last metrics step a checkpoint covers (checkpoints before ``update`` was stored: its epochs')."""
+    if state.get("update") is not None:
+        return int(state["update"])
+    if not (run_dir / "metrics.jsonl").is_file():
+        return 0
+    done = state.get("epoch", 0)
+    rows = read_metrics(run_dir)
+    return max((r.get("step") or 0 for r in rows if (r.get("epoch") or 0) <= done), default=0)
+
+
+def decide_start(run_dir: Path, config: dict[str, Any], resume: str | None) -> Start:
+    """How the run of ``config`` starts in ``run_dir`` (whose lock this process holds), or a refusal.
+
+    ``resume``: ``auto`` (the directory's own checkpoint, if any), a run directory or checkpoint file to
+    continue from, or None (start afresh)."""
+    run_id = config_hash(config)
+    summary, old_config = _existing(run_dir)
+    recorded = (summary or {}).get("run_id") or (config_hash(old_config) if old_config else None)
+    if recorded is not None and recorded != run_id:
+        status = effective_status(run_dir, summary) if summary else "no summary"
+        what = differences(old_config, config) if old_config else f"run_id {recorded}"
+        raise UserError(f"{run_dir} holds another run ({status}; it differs in {what}): give this run a "
+                        "directory of its own (leave out hydra.run.dir), or continue that one with its own "
+                        "config")
+    if summary is not None and summary.get("status") in DONE:
+        return Start("done", run_dir, summary=summary)
+    source = None
+    if resume == "auto":
+        source = run_dir if checkpoint_file(run_dir).is_file() else None
+    elif resume:
+        source = Path(resume)
+    if source is None:
+        return Start("fresh", run_dir)
+    state = load_checkpoint(source)  # a corrupt or truncated file: one line, and the file is kept
+    if checkpoint_file(source) == checkpoint_file(run_dir) and state.get("run_id") not in (None, run_id):
+        raise UserError(f"the checkpoint in {run_dir} is another config's (run_id {state.get('run_id')}, "
+                        f"this run's is {run_id}): give this run a directory of its own")
+    return Start("resume", run_dir, state, keep_rows_until=_rows_until(run_dir, state))
+
+
+def find_unfinished(root: Path, run_id: str, exclude: Path) -> Record | None:
+    """The latest record of ``run_id`` under ``root`` that has not finished and whose process is gone."""
+    found = [r for r in iter_records(root) if r.summary.get("run_id") == run_id
+             and r.dir.resolve() != exclude.resolve() and r.status not in (*DONE, "running")]
+    return max(found, key=lambda r: r.summary.get("started_at") or "", default=None)
+
+
 def named_after(run_dir: Path, configured: str, prepared: str) -> Path:
-    """The run directory renamed after the model that runs, when Hydra named it after the configured one
-    (``task=robustness`` evaluating a checkpoint of another model). Process 0 renames; all agree."""
-    new = run_dir
-    if configured != prepared and run_dir.name.endswith(configured):
-        new = run_dir.with_name(run_dir.name[: -len(configured)] + prepared)
-        if distributed.info().is_main:
-            if new.exists():
-                new = run_dir
-            else:
-                run_dir.rename(new)
-    return Path(distributed.broadcast_object(str(new)))
+    """A fresh run directory renamed after the model that runs, when Hydra named it after the configured
+    one (``task=robustness`` evaluating a checkpoint of another model)."""
+    empty = run_dir.is_dir() and not any(run_dir.iterdir())
+    if configured == prepared or not run_dir.name.endswith(configured) or not empty:
+        return run_dir
+    new = run_dir.with_name(run_dir.name[: -len(configured)] + prepared)
+    if new.exists():
+        return run_dir
+    run_dir.rename(new)
+    return new
 
 
-def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Run ``cfg.task`` in ``run_dir``; the record is written whether the task completes, diverges or fails.
+def claim(run_dir: Path, config: dict[str, Any], resume: str | None, find: bool) -> tuple[Start, RunLock]:
+    """Process 0: the directory this run goes to, claimed, and how it starts there."""
+    if find and resume == "auto":
+        unfinished = find_unfinished(output_root(), config_hash(config), run_dir)
+        if unfinished is not None:
+            log.info("continuing the unfinished run of this config in %s (%s)", unfinished.dir,
+                     unfinished.status)
+            run_dir = unfinished.dir
+    lock = RunLock.acquire(run_dir)
+    try:
+        return decide_start(run_dir, config, resume), lock
+    except BaseException:
+        lock.release()
+        raise
+
+
+# ---------------------------------------------------------------- the run
+def run(cfg: DictConfig, run_dir: str | Path, find_unfinished_run: bool = False,
+        on_start: Callable[[Path], None] | None = None) -> dict[str, Any]:
+    """Run ``cfg.task`` in ``run_dir``; once started, the record is written whether the task completes,
+    diverges or fails. Returns the summary (an existing one when the run was already done).
 
     Divergence is a result: the record ends ``diverged`` with the step and the last finite metrics, and
-    this returns normally (exit code 0, so a sweep carries on). A stop signal ends it ``interrupted``
-    after the trainer's checkpoint (:class:`Interrupted` propagates).
+    this returns normally (exit code 0, so a sweep carries on). A stop signal or Ctrl-C ends it
+    ``interrupted`` after the trainer's checkpoint (:class:`Interrupted` propagates).
+    ``find_unfinished_run``: ``run_dir`` is new, made for this command -- continue the unfinished run of the
+    same config instead, if there is one. ``on_start(run_dir)``: called on process 0 once the start is
+    decided, before anything is written (the entry point puts Hydra's files and log there).
     """
     run_dir = Path(run_dir)
-    preparation_error = None
+    validate(cfg)
+    task = get_task(cfg.task.name)
+    prepared = task.prepare(cfg)
+    check_buildable(prepared.backbone, prepared.norm, dense=prepared.task.name == "detection")
+    world = distributed.init_distributed(prepared.trainer.device)
+    config = resolve(prepared)
+    start = lock = refusal = None
+    if world.is_main:
+        try:
+            run_dir = named_after(run_dir, cfg.name, prepared.name)
+            start, lock = claim(run_dir, config, prepared.trainer.resume, find_unfinished_run)
+        except UserError as e:
+            refusal = e
+    kind, where, why = distributed.broadcast_object(
+        (start.kind, str(start.run_dir), None) if start else (None, None, str(refusal)))
+    if why is not None:
+        raise refusal if refusal is not None else UserError(why)
+    cfg, run_dir = prepared, Path(where)
     try:
-        validate(cfg)
-        task = get_task(cfg.task.name)
-        prepared = task.prepare(cfg)
-        run_dir = named_after(run_dir, cfg.name, prepared.name)
-        cfg = prepared
-    except UserError as e:  # still recorded below, as a failed run of the config as given
-        preparation_error = e
-    world = distributed.init_distributed(cfg.trainer.device)
-    config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    if preparation_error is None:  # every process its own augmentation; DDP shares process 0's init
-        seed_everything(cfg.seed + world.rank)
-    mirrors = build_mirrors(cfg, run_dir, config) if world.is_main and preparation_error is None else []
-    record = RunRecord(run_dir, config, mirrors, writes=world.is_main)
+        if kind == "done":
+            return start.summary if start else _done_summary(run_dir)
+        if world.is_main:
+            if on_start is not None:
+                on_start(run_dir)
+            for path in remove_stale_temporaries(run_dir):
+                log.info("removed %s (left by a process killed while writing it)", path.name)
+        seed_everything(cfg.seed + world.rank)  # every process its own augmentation; DDP shares process 0's
+        mirrors = build_mirrors(cfg, run_dir, config) if world.is_main else []
+        record = RunRecord(run_dir, config, mirrors, writes=world.is_main,
+                           keep_rows_until=start.keep_rows_until if start else 0,
+                           resume_state=start.state if start else None)
+        return _run_task(task, cfg, record)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _done_summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _run_task(task: Any, cfg: DictConfig, record: RunRecord) -> dict[str, Any]:
     try:
-        if preparation_error is not None:
-            raise preparation_error
         task.run(cfg, record)
     except Diverged as d:
         log.warning("%s: %s", cfg.name, d)
@@ -96,7 +259,12 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         record.finish("interrupted", error=str(e))
         e.hand_over()  # submitit requeues the job here; otherwise the process ends with the signal's code
         raise
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the training loop
+        record.finish("interrupted", error="KeyboardInterrupt: stopped at once; the run continues from its "
+                      "last checkpoint")
+        raise
     except BaseException as e:
         record.finish("failed", error=f"{type(e).__name__}: {one_line(e)}")
         raise
     return record.finish("completed")
+

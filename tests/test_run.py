@@ -104,7 +104,7 @@ def test_resume_after_a_crash_continues_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(Trainer, "train_one_epoch", crash_in_epoch_3)
     with pytest.raises(KeyboardInterrupt):
         run(quick_cfg(epochs=3), tmp_path / "crashed")
-    assert read_summary(tmp_path / "crashed")["status"] == "failed"
+    assert read_summary(tmp_path / "crashed")["status"] == "interrupted"
     monkeypatch.setattr(Trainer, "train_one_epoch", real_epoch)
     resumed = run(quick_cfg(f"trainer.resume={tmp_path / 'crashed'}", epochs=3), tmp_path / "resumed")
     assert [r["epoch"] for r in read_metrics(tmp_path / "resumed") if "val/top1" in r] == [3]

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import UserError
+from .coco import check_coco_root
+from .digits import NUM_CLASSES as DIGITS_CLASSES
 from .digits import build_digits
-from .imagenet import build_imagenet
+from .imagenet import build_imagenet, check_imagefolder_root
 from .loaders import ClassificationData
 
 CLASSIFICATION_DATA: dict[str, Callable[..., ClassificationData]] = {
@@ -24,4 +26,40 @@ def build_classification_data(cfg, seed: int) -> ClassificationData:
     return builder(cfg, seed)
 
 
-__all__ = ["ClassificationData", "build_classification_data"]
+def _check_fixed_classes(cfg, found: int, what: str) -> None:
+    if cfg.num_classes != found:
+        raise UserError(f"data.num_classes={cfg.num_classes}, but {what} has {found} classes: set "
+                        f"data.num_classes={found}")
+
+
+def _check_digits(cfg) -> None:
+    _check_fixed_classes(cfg, DIGITS_CLASSES, "data=digits")
+
+
+def _check_imagenet(cfg) -> None:
+    check_imagefolder_root(cfg.root, (cfg.train_split, cfg.val_split), cfg.num_classes)
+
+
+def _check_coco(cfg) -> None:
+    check_coco_root(cfg.root, (cfg.train_split, cfg.val_split))
+
+
+def _check_coco_digits(cfg) -> None:
+    if cfg.root:  # a copy of the generated tree; else it is generated on first use
+        _check_coco(cfg)
+    _check_fixed_classes(cfg, DIGITS_CLASSES, "data=coco_digits")
+
+
+DATA_CHECKS: dict[str, Callable] = {"digits": _check_digits, "imagenet": _check_imagenet, "coco": _check_coco,
+                                    "coco_digits": _check_coco_digits}
+
+
+def check_data(cfg) -> None:
+    """Before any work: the data the config names is there, as the config describes it (a cheap look at
+    its root, nothing loaded)."""
+    check = DATA_CHECKS.get(cfg.name)
+    if check is not None:
+        check(cfg)
+
+
+__all__ = ["ClassificationData", "build_classification_data", "check_data"]

@@ -55,34 +55,41 @@ def check_imagefolder_root(root: str | None, splits: tuple[str, ...], num_classe
 
 
 class SafeImageFolder(ImageFolder):
-    """ImageFolder that survives unreadable files: ``skip`` leaves them out of their batch and marks them
-    (in memory shared with the loader workers, so every process's count is exact), ``fail`` stops with one
-    line naming the file. Real ImageNet trees hold a few corrupt or mislabeled-format files."""
+    """ImageFolder that survives unreadable files (real ImageNet trees hold a few corrupt or mislabeled-format
+    files). ``skip``: each unreadable file is marked (in memory shared with the loader workers, so every
+    process's count is exact) and, in training (``replace=True``), replaced by the next readable image of
+    the folder -- as timm's ``ImageDataset`` does -- so every batch keeps its size (Mixup / CutMix need an
+    even one, and the processes of a job the same); in evaluation it is left out of its batch, so every
+    image is counted at most once. ``fail`` stops with one line naming the file."""
 
-    def __init__(self, root: Path, transform: Any, on_bad_image: str) -> None:
+    def __init__(self, root: Path, transform: Any, on_bad_image: str, replace: bool = False) -> None:
         super().__init__(root, transform=transform)
-        self.on_bad_image = on_bad_image
+        self.on_bad_image, self.replace = on_bad_image, replace
         self.bad = multiprocessing.Array("b", len(self.samples), lock=False)  # 1: this file could not be read
 
     def __getitem__(self, index: int) -> tuple[Any, int] | None:
-        try:
-            return super().__getitem__(index)
-        except (OSError, SyntaxError, ValueError) as e:  # truncated, not an image, bad header
-            path = self.samples[index][0]
-            if self.on_bad_image == "fail":
-                raise UserError(f"cannot read image '{path}' ({type(e).__name__}: {e}): remove or replace "
-                                "it, or skip unreadable images with data.on_bad_image=skip") from None
-            if not self.bad[index]:
-                log.warning("skipping unreadable image %s (%s: %s)", path, type(e).__name__, e)
-            self.bad[index] = 1
-            return None
+        for offset in range(len(self.samples)):
+            i = (index + offset) % len(self.samples)
+            try:
+                return super().__getitem__(i)
+            except (OSError, SyntaxError, ValueError) as e:  # truncated, not an image, bad header
+                path = self.samples[i][0]
+                if self.on_bad_image == "fail":
+                    raise UserError(f"cannot read image '{path}' ({type(e).__name__}: {e}): remove or "
+                                    "replace it, or skip unreadable images: data.on_bad_image=skip") from None
+                if not self.bad[i]:
+                    log.warning("skipping unreadable image %s (%s: %s)", path, type(e).__name__, e)
+                self.bad[i] = 1
+                if not self.replace:
+                    return None
+        raise UserError(f"none of the {len(self.samples)} images under '{self.root}' can be read")
 
     def bad_files(self) -> list[str]:
         return [self.samples[i][0] for i, flag in enumerate(self.bad) if flag]
 
 
 def collate_readable(batch: list[Any]) -> Any:
-    """The default collate of the samples that could be read."""
+    """The default collate of the samples that could be read (evaluation batches)."""
     readable = [sample for sample in batch if sample is not None]
     if not readable:
         raise UserError(f"none of the {len(batch)} images of a batch could be read: check the dataset "
@@ -94,12 +101,13 @@ def build_imagenet(cfg, seed: int) -> ClassificationData:
     check_imagefolder_root(cfg.root, (cfg.train_split, cfg.val_split), cfg.num_classes)
     root = Path(cfg.root)
     on_bad = cfg.get("on_bad_image", "skip")
-    train = SafeImageFolder(root / cfg.train_split, build_transforms(cfg, is_training=True), on_bad)
+    train = SafeImageFolder(root / cfg.train_split, build_transforms(cfg, is_training=True), on_bad,
+                            replace=True)
     val = SafeImageFolder(root / cfg.val_split, build_transforms(cfg, is_training=False), on_bad)
     pin = cfg.get("pin_memory", True)
     return ClassificationData(
         train=make_loader(train, cfg.batch_size, True, cfg.num_workers, seed, pin_memory=pin,
-                          collate_fn=collate_readable, repeats=max(cfg.get("aug_repeats") or 1, 1)),
+                          repeats=max(cfg.get("aug_repeats") or 1, 1)),
         val=make_loader(val, cfg.eval_batch_size, False, cfg.num_workers, seed, pin_memory=pin,
                         collate_fn=collate_readable),
         num_classes=cfg.num_classes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,9 @@ def default_cache_dir(kind: str) -> Path:
 
 
 def seed_worker(worker_id: int) -> None:
-    """Seed python and numpy in each loader worker from torch's per-worker seed."""
+    """Seed python and numpy in each loader worker from torch's per-worker seed; leave Ctrl-C (which a
+    terminal sends to every process of the job) to the main process, which stops the run cleanly."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)

@@ -1,15 +1,17 @@
 """Checkpoints written atomically and read safely.
 
-Writing: to ``<name>.tmp`` in the same directory, flushed and fsync'ed, then renamed over ``<name>`` (and the
-directory fsync'ed): a process killed mid-write leaves the previous checkpoint whole. Reading:
-``torch.load(weights_only=True)`` -- tensors and plain containers only, so a checkpoint cannot run code
-(numpy's array reconstruction is allowed for the RNG states of checkpoints written before they were
-stored as tensors).
+Writing: into a temporary file of the writer's own in the same directory, flushed and fsync'ed, then renamed
+over ``<name>`` (and the directory fsync'ed): a process killed mid-write leaves the previous checkpoint whole.
+Reading: every record of the file is checked against the CRC-32 its zip directory holds (torch writes them
+but does not check them on load, so damage inside a tensor -- a bad disk block, a partial copy -- would load
+silently), then ``torch.load(weights_only=True)`` -- tensors and plain containers only, so a checkpoint
+cannot run code (numpy's array reconstruction is allowed for the RNG states of checkpoints written before
+they were stored as tensors).
 """
 
 from __future__ import annotations
 
-import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch
 import yaml
 
 from ..errors import UserError
+from ..tracking.records import write_atomic
 
 # what weights_only=True may rebuild besides tensors and containers: numpy RNG states of older checkpoints
 _NUMPY_CORE = getattr(np, "_core", None) or np.core
@@ -26,18 +29,23 @@ SAFE_GLOBALS = [np.ndarray, np.dtype, _NUMPY_CORE.multiarray._reconstruct,
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
+    write_atomic(Path(path), lambda f: torch.save(state, f))
+
+
+def damaged_record(path: Path) -> str | None:
+    """The first record of the zip file ``path`` whose bytes do not match their CRC-32 (or why the zip
+    structure itself does not read), None when every record is whole. Files that are not zips (torch's
+    legacy format) are left to ``torch.load``."""
+    if not zipfile.is_zipfile(path):
+        return None
     try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every record whole; zipfile compares each with its CRC-32
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return f"its zip structure does not read ({type(e).__name__}: {str(e)[:120]})"
+    if bad is not None:
+        return f"record {bad} fails its CRC-32 check"
+    return None
 
 
 def checkpoint_file(source: str | Path) -> Path:
@@ -51,6 +59,10 @@ def load_checkpoint(source: str | Path) -> dict[str, Any]:
     path = checkpoint_file(source)
     if not path.is_file():
         raise UserError(f"no checkpoint at '{path}': give a run directory or a .pth file")
+    damage = damaged_record(path)
+    if damage is not None:
+        raise UserError(f"checkpoint '{path}' is damaged: {damage}. It was left as it is: restore it from a "
+                        "copy, or move it away to start this run over")
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)

@@ -13,9 +13,9 @@ reaches it), and the learning-rate rule scales by it.
 Preemption: a checkpoint is written every ``trainer.checkpoint_interval`` updates and at each epoch end
 (model, EMA, optimizer, scheduler, scaler, position in the epoch, every process's RNG states), so
 ``trainer.resume=auto`` continues a killed run where it stopped, mid-epoch included, with the numbers an
-uninterrupted run has. SIGTERM, SIGUSR1 and SIGUSR2 (submitit's preemption signal) let the current update
-finish, checkpoint, and then hand over to the handler that was there before (submitit's requeue), or end
-the run as ``interrupted``.
+uninterrupted run has. SIGTERM, SIGUSR1 and SIGUSR2 (submitit's preemption signal) and Ctrl-C (SIGINT) let
+the current update finish, checkpoint, and then hand over to the handler that was there before
+(submitit's requeue), or end the run as ``interrupted``; a second Ctrl-C stops at once.
 
 Divergence: the loss stays on the device; every ``log_interval`` updates, before each checkpoint and at the
 end of an epoch it is read once, and a non-finite loss (or one above ``trainer.max_loss``) anywhere in the
@@ -54,7 +54,8 @@ from .precision import Precision, resolve_device
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = tuple(getattr(signal, s) for s in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, s))
+STOP_SIGNALS = tuple(getattr(signal, s) for s in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+                     if hasattr(signal, s))
 
 
 class Diverged(Exception):
@@ -75,8 +76,7 @@ class Interrupted(BaseException):
     the trainer's (submitit's, which requeues the job)."""
 
     def __init__(self, signum: int, step: int, hand_over: Any = None) -> None:
-        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved; the same command "
-                         "continues it (trainer.resume=auto)")
+        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved")
         self.signum, self.step = signum, step
         self.hand_over = hand_over or (lambda: None)
 
@@ -95,7 +95,11 @@ class StopSignals:
         return self
 
     def _note(self, signum: int, _frame: Any) -> None:
-        log.warning("%s: stopping after the current update", signal.Signals(signum).name)
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: at once, without a checkpoint
+        hint = " (Ctrl-C again: stop at once, without it)" if signum == signal.SIGINT else ""
+        log.warning("%s: stopping after the current update and saving a checkpoint%s",
+                    signal.Signals(signum).name, hint)
         self.received = signum
 
     def __exit__(self, *exc: Any) -> None:
@@ -105,8 +109,32 @@ class StopSignals:
     def hand_over(self) -> None:
         """After checkpointing: the previous handler, if any, takes the signal (submitit requeues)."""
         handler = self.previous.get(self.received) if self.received is not None else None
-        if callable(handler):
+        if callable(handler) and handler is not signal.default_int_handler:  # that one only raises Ctrl-C
             handler(self.received, None)
+
+
+def accumulation_steps(global_batch: int | None, batch_size: int, world_size: int, accum_steps: int) -> int:
+    """Micro-batches per update: ``accum_steps``, or -- when a recipe states ``global_batch`` -- the
+    accumulation that reaches it with ``batch_size`` images on each of ``world_size`` processes."""
+    if not global_batch:
+        return int(accum_steps)
+    per_step = batch_size * world_size
+    procs = f"{world_size} process{'es' if world_size > 1 else ''}"
+    if global_batch % per_step:
+        if global_batch % world_size:
+            raise UserError(f"trainer.global_batch={global_batch} cannot be split over {procs}: run on a "
+                            f"number of processes that divides it, or drop it (trainer.global_batch=null)")
+        per_process = global_batch // world_size
+        fits = max(d for d in range(1, min(batch_size, per_process) + 1) if per_process % d == 0)
+        raise UserError(f"trainer.global_batch={global_batch} is not a whole number of steps of "
+                        f"data.batch_size={batch_size} on {procs}: use a data.batch_size that divides "
+                        f"{per_process} (e.g. data.batch_size={fits}), or drop the recipe's global batch "
+                        "(trainer.global_batch=null; trainer.accum_steps then sets the accumulation)")
+    steps = global_batch // per_step
+    if accum_steps not in (1, steps):
+        raise UserError(f"trainer.accum_steps={accum_steps} contradicts trainer.global_batch={global_batch} "
+                        f"at {per_step} images per step (it needs {steps}): set only one of them")
+    return steps
 
 
 def show_progress(setting: str | bool) -> bool:
@@ -226,19 +254,8 @@ class Trainer:
     # ---------------------------------------------------------------- set-up
     def resolve_accumulation(self) -> int:
         """``accum_steps``, or -- when the recipe states ``global_batch`` -- the accumulation reaching it."""
-        per_step = self.data.train.batch_size * self.dist.world_size
-        target = self.cfg.get("global_batch")
-        if not target:
-            return int(self.cfg.accum_steps)
-        if target % per_step:
-            raise UserError(f"trainer.global_batch={target} is not a multiple of data.batch_size x processes "
-                            f"= {per_step}: choose a data.batch_size that divides it (or "
-                            "trainer.global_batch=null)")
-        steps = target // per_step
-        if self.cfg.accum_steps not in (1, steps):
-            raise UserError(f"trainer.accum_steps={self.cfg.accum_steps} contradicts trainer.global_batch="
-                            f"{target} at {per_step} images per step (it needs {steps}): set one of them")
-        return steps
+        return accumulation_steps(self.cfg.get("global_batch"), self.data.train.batch_size,
+                                  self.dist.world_size, self.cfg.accum_steps)
 
     def scaled_lr(self, lr: float) -> float:
         """DeiT's linear rule: ``lr * global_batch / lr_base_size`` (``lr_base_size: null`` = absolute)."""
@@ -273,6 +290,10 @@ class Trainer:
                 self.epoch, self.batch = epoch + 1, 0
                 if self.cfg.checkpoint:
                     self.save()
+                if self.epoch < self.cfg.epochs and self.stop_requested(every_update=True):
+                    if not self.cfg.checkpoint:
+                        self.save()
+                    raise Interrupted(self.stop.received or signal.SIGTERM, self.update, self.stop.hand_over)
         return self.metrics
 
     def train_one_epoch(self, epoch: int) -> dict[str, float]:
@@ -341,12 +362,12 @@ class Trainer:
         with self.precision.autocast():
             return self.train_loss(self.model(images), targets)
 
-    def stop_requested(self) -> bool:
+    def stop_requested(self, every_update: bool = False) -> bool:
         """Whether a stop signal arrived: at once for one process; in a distributed job the processes agree
-        every ``log_interval`` updates (one small collective then, none per update)."""
+        every ``log_interval`` updates (one small collective then, none per update) and at epoch ends."""
         if not self.dist.enabled:
             return self.stop.received is not None
-        if self.update % max(self.cfg.log_interval, 1):
+        if not every_update and self.update % max(self.cfg.log_interval, 1):
             return False
         flag = torch.tensor([float(self.stop.received is not None)], device=self.device)
         return bool(distributed.all_reduce_sum(flag).item())
@@ -437,18 +458,20 @@ class Trainer:
         distributed.barrier()
 
     def resume(self, source: str | None) -> None:
-        """``auto``: this run directory's checkpoint if there is one; a path: that run's or file's."""
-        if not source:
-            return
-        if source == "auto":
-            if not checkpoint_file(self.record.dir).is_file():
+        """``auto``: this run directory's checkpoint if there is one; a path: that run's or file's.
+
+        Process 0 continues from the checkpoint ``normexp.run`` already read and verified (the record's
+        ``resume_state``) when it decided the start; the other processes read the same file."""
+        state = self.record.resume_state
+        if state is None:
+            if not source:
                 return
-            source = str(self.record.dir)
-        state = load_checkpoint(source)
-        if source == str(self.record.dir) and state.get("run_id") != config_hash(self.record.config):
-            raise UserError(f"the run directory {self.record.dir} holds the checkpoint of another config "
-                            f"(run_id {state.get('run_id')}): give this run its own directory, or continue "
-                            "that one with its own config")
+            if source == "auto":
+                if not checkpoint_file(self.record.dir).is_file():
+                    return
+                source = str(self.record.dir)
+            state = load_checkpoint(source)
+        source = str(self.record.dir if source == "auto" else source)
         load_model_state(self.module, state["model"], source)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.ema is not None and state.get("ema") is not None:
@@ -478,5 +501,4 @@ class Trainer:
         else:
             log.warning("checkpoint from %d processes, resumed on %d: RNG streams restart", len(processes),
                         self.dist.world_size)
-        self.record.restore_rows(self.update)
         log.info("resumed from %s at epoch %d, update %d", source, self.epoch, self.update)

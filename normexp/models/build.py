@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -39,15 +40,23 @@ def build_backbone(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,
     dense_kwargs = kwargs.pop("dense", None) or {}
     if dense:
         kwargs.update(dense_kwargs)
-    try:
-        model = create_model(name, **kwargs)
-        norm_name, hparams, placement = norm_settings(norm_cfg)
-        norm_layer = norm_layer_factory(norm_name, **hparams)
-    except (ValueError, TypeError) as e:
-        raise UserError(f"cannot build backbone '{name}' with norm '{norm_cfg['name']}': {e}") from e
+    norm_name, hparams, placement = norm_settings(norm_cfg)
     unknown = sorted(set(placement) - {"keep", "first_blocks"})
     if unknown:
         raise UserError(f"norm.placement has no option {unknown}; its options are ['first_blocks', 'keep']")
-    replace_norms(model, norm_layer, keep=placement.get("keep") or (),
-                  first_blocks=placement.get("first_blocks"))
+    try:  # the constructors check their arguments: each normalizer its options against every slot it fills
+        model = create_model(name, **kwargs)
+        replace_norms(model, norm_layer_factory(norm_name, **hparams), keep=placement.get("keep") or (),
+                      first_blocks=placement.get("first_blocks"))
+    except (ValueError, TypeError, AssertionError) as e:
+        raise UserError(f"cannot build backbone '{name}' with norm '{norm_name}': {e}") from e
     return model
+
+
+def check_buildable(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,
+                    dense: bool = False) -> None:
+    """Build the model on the meta device (no memory, no values, no random numbers drawn): what only the
+    model knows -- a group count that must divide every width, a grid too small for a stage -- is refused
+    as :func:`build_backbone` would refuse it, before any real work."""
+    with torch.device("meta"):
+        build_backbone(backbone_cfg, norm_cfg, dense=dense)

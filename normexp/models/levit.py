@@ -113,7 +113,9 @@ class TokenLinearNorm(nn.Module):
     @classmethod
     def from_timm(cls, module: LinearNorm, layout: TokenLayout) -> TokenLinearNorm:
         """The same linear and BatchNorm init as timm's ``module``."""
-        new = cls(module.linear, layout, bn_weight_init=float(module.bn.weight.detach().flatten()[0]))
+        weight = module.bn.weight.detach()
+        init = 1.0 if weight.is_meta else float(weight.flatten()[0])  # meta device (a dry build): no values
+        new = cls(module.linear, layout, bn_weight_init=init)
         new.bn.load_state_dict(module.bn.state_dict())
         return new
 

@@ -199,7 +199,7 @@ class PyramidVisionTransformer(Backbone):
         self.feature_channels = list(embed_dims)
         self.feature_strides = [patch_size * 2 ** i for i in range(num_stages)]
 
-        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        dpr = torch.linspace(0, drop_path_rate, sum(depths), device="cpu").tolist()  # also on the meta device
         self.block_offsets = [sum(depths[:i]) for i in range(num_stages)]
         in_dim = in_chans
         for i in range(num_stages):

@@ -13,6 +13,8 @@ keeps working. Consequences: the state_dict keys are ``bn.weight``, ``bn.running
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from torch import nn
 
@@ -22,6 +24,8 @@ from .registry import register_norm
 
 @register_norm("bn")
 class BatchNorm(nn.Module):
+    hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {"momentum": {"min": 0, "max": 1}}
+
     def __init__(self, dim: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, data_format: str = "channels_last") -> None:
         super().__init__()

@@ -6,6 +6,8 @@ Element-wise, like DyT.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from torch import nn
 
@@ -15,6 +17,8 @@ from .registry import register_norm
 
 @register_norm("derf")
 class Derf(nn.Module):
+    hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {"alpha0": {"above": 0}}
+
     def __init__(self, dim: int, alpha0: float = 0.5, shift0: float = 0.0,
                  data_format: str = "channels_last") -> None:
         super().__init__()

@@ -64,14 +64,22 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .functional import RECOMPUTE, Kernels, check_data_format, check_kernels, output_dtype, resolve_kernels
+from .functional import (
+    KERNEL_MODES,
+    RECOMPUTE,
+    Kernels,
+    check_data_format,
+    check_kernels,
+    output_dtype,
+    resolve_kernels,
+)
 from .layout import TokenLayout
 from .registry import register_norm
 
@@ -334,6 +342,9 @@ class DTN(nn.Module):
     (the stage's patch embedding sets it on every forward). ``N`` must be ``H*W`` or
     ``num_prefix_tokens + H*W`` (prefix count from ``num_prefix_tokens`` if given, else ``layout``).
     """
+
+    hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {
+        "pool_size": {"min": 1}, "locality_strength": {"min": 0}, "kernels": {"choices": list(KERNEL_MODES)}}
 
     def __init__(
         self,

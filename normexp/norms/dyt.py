@@ -29,7 +29,7 @@ Ablation options (paper Tables 7-8):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .functional import (
+    KERNEL_MODES,
     Kernels,
     channel_affine,
     check_data_format,
@@ -143,6 +144,10 @@ class _DyTFunction(torch.autograd.Function):
 
 @register_norm("dyt")
 class DyT(nn.Module):
+    hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {
+        "alpha0": {"above": 0}, "squash": {"choices": sorted(SQUASH)},
+        "kernels": {"choices": list(KERNEL_MODES)}}
+
     def __init__(self, dim: int, alpha0: float = 0.5, data_format: str = "channels_last",
                  squash: str = "tanh", learnable_alpha: bool = True, kernels: str = "auto") -> None:
         super().__init__()

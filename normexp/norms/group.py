@@ -7,6 +7,8 @@ hyper-parameter overrides it. Biased variance, as ``nn.GroupNorm``.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,8 @@ from .registry import register_norm
 
 @register_norm("gn")
 class GroupNorm(nn.Module):
+    hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {"groups": {"min": 1}}
+
     def __init__(self, dim: int, groups: int | None = None, eps: float = 1e-5, affine: bool = True,
                  num_heads: int | None = None, data_format: str = "channels_last") -> None:
         super().__init__()

@@ -33,7 +33,7 @@ group scaling and the division (both files' defaults).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -72,6 +72,8 @@ class _PowerFunction(torch.autograd.Function):
 
 @register_norm("power")
 class PowerNorm(nn.Module):
+    hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {"warmup_iters": {"min": 0}, "groups": {"min": 1}}
+
     def __init__(self, dim: int, eps: float = 1e-5, warmup_iters: int = 3000, groups: int | None = None,
                  num_heads: int | None = None, data_format: str = "channels_last") -> None:
         super().__init__()

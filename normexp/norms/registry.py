@@ -14,13 +14,19 @@ A normalizer class that takes statistics over the tokens of a sample (instance s
 (context ``pooled``) as built.
 
 Each normalizer's constructor names the context it uses; :func:`norm_layer_factory` passes it only
-those keys, so models hand every layer the full context and never special-case a normalizer.
+those keys, so models hand every layer the full context and never special-case a normalizer. Its other
+keyword arguments are its hyper-parameters (``norm.<name>=`` in the config): their types come from the
+constructor's annotations and their allowed values from the class's ``hparam_checks`` (e.g.
+``{"alpha0": {"above": 0}}``; ``eps`` is always > 0), which the config schema enforces before any model is
+built (:func:`hyperparameters`).
 """
 
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -30,6 +36,7 @@ NormLayer = Callable[..., nn.Module]
 _REGISTRY: dict[str, type[nn.Module]] = {}
 
 CONTEXT_KEYS = ("data_format", "num_heads", "layout", "num_prefix_tokens")
+COMMON_CHECKS: dict[str, dict[str, Any]] = {"eps": {"above": 0}}  # for that option of every normalizer
 
 
 def register_norm(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
@@ -61,6 +68,32 @@ def _accepted_keywords(cls: type[nn.Module]) -> set[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     return {p.name for p in params}
+
+
+@dataclass(frozen=True)
+class HyperParameter:
+    """One option of a normalizer: its name, type (from the annotation), default and allowed values."""
+
+    name: str
+    type: Any
+    default: Any
+    checks: dict[str, Any] = field(default_factory=dict)
+
+
+def hyperparameters(name: str) -> list[HyperParameter] | None:
+    """The options of normalizer ``name`` (None when its constructor takes ``**kwargs``: any option)."""
+    cls = get_norm_class(name)
+    if _accepted_keywords(cls) is None:
+        return None
+    hints = typing.get_type_hints(cls.__init__)
+    declared = getattr(cls, "hparam_checks", {})
+    options = []
+    for param in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        if param.name in ("dim", *CONTEXT_KEYS) or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        checks = {**COMMON_CHECKS.get(param.name, {}), **declared.get(param.name, {})}
+        options.append(HyperParameter(param.name, hints.get(param.name, Any), param.default, checks))
+    return options
 
 
 def norm_layer_factory(name: str, **hparams: Any) -> NormLayer:

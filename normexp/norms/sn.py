@@ -24,6 +24,8 @@ unbiased for IN), so a one-hot choice gives exactly IN (``InstanceNorm(unbiased=
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from torch import nn
 
@@ -36,6 +38,8 @@ KINDS = ("in", "ln", "bn")
 @register_norm("sn")
 class SwitchableNorm(nn.Module):
     token_statistics = True  # its IN statistics are over the tokens of a sample
+
+    hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {"momentum": {"min": 0, "max": 1}}
 
     def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1,
                  data_format: str = "channels_last") -> None:

@@ -1,5 +1,8 @@
 """Run records -> table cells: mean +- std over seeds, markers for runs that are not results, deltas.
 
+Rows whose runs are the very same (two paper rows a scale maps onto one member and recipe) point to the
+first of them (``Row.same_as``): the renderers say so instead of presenting them as two results.
+
 A cell of row r and metric m holds the values of m over r's runs that completed (one per seed), their mean,
 sample std and n, and one marker per run that did not: ``diverged@<step>`` (a result: the loss became
 non-finite at that step), ``failed: <first line of the error>``, ``running``, or ``missing`` (no record).
@@ -88,10 +91,21 @@ class Row:
     labels: dict[str, Any]
     points: list[tuple[Point, PlannedRun]]
     cells: dict[str, Cell] = field(default_factory=dict)
+    same_as: Row | None = field(default=None, repr=False)  # an earlier row served by exactly these runs
 
     @property
     def key(self) -> tuple[str, ...]:
         return tuple(str(v) for v in self.labels.values())
+
+    @property
+    def run_ids(self) -> tuple[str, ...]:
+        return tuple(run.run_id for _, run in sorted(self.points, key=lambda pr: pr[0].seed))
+
+    @property
+    def norm(self) -> str | None:
+        """The normalizer the row's runs use (what its plots are coloured by)."""
+        name = self.labels.get("norm.name")
+        return str(name) if name is not None else get_path(self.points[0][1].config, "norm.name")
 
     @property
     def run_as(self) -> list[str]:
@@ -145,6 +159,10 @@ def aggregate(plan: TablePlan) -> TableResult:
         for metric in spec.metrics:
             row.cells[metric.key] = _cell(spec, metric, row, base)
     result = TableResult(spec, plan, list(rows.values()))
+    first_with: dict[tuple[str, ...], Row] = {}
+    for row in result.rows:  # paper rows a scale maps onto one config share their runs: say so, once
+        original = first_with.setdefault(row.run_ids, row)
+        row.same_as = original if original is not row else None
     for row in result.rows:  # deltas once every row's cells exist
         base_labels = spec.baseline_of(row.labels)
         base = by_labels.get(tuple(str(v) for v in base_labels.values())) if base_labels else None

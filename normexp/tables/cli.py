@@ -21,11 +21,14 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
+from ..tracking.lock import live_owner
 from .aggregate import aggregate
-from .plan import TablePlan, hydra_composer, plan_table
+from .plan import PlannedRun, TablePlan, hydra_composer, plan_table
 from .render import RESULTS_DIR, to_markdown, write_table
 from .spec import list_scales, list_tables, load_scale, load_table
 from .sweep import print_plan
+
+WAIT_POLL_S = 5.0
 
 
 def parse_seeds(text: str | None) -> tuple[int, ...] | None:
@@ -68,18 +71,40 @@ def render(plan: TablePlan, out: Path) -> int:
     return 0
 
 
+def wait_for(runs: list[PlannedRun], poll_s: float = WAIT_POLL_S) -> None:
+    """Until no live process holds any of ``runs`` (another planner's, or a SLURM job's)."""
+    print(f"waiting for {len(runs)} run(s) running in other processes: "
+          + "; ".join(f"{r.dir_name} ({r.owner()})" for r in runs), flush=True)
+    while any(r.record is not None and live_owner(r.record.dir) is not None for r in runs):
+        time.sleep(poll_s)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    """Launch what the table still needs, wait for its runs that other processes are running, render.
+
+    Two planners on one output root share the work: each job claims its run (``run.lock``) before it
+    trains, a run another process holds is skipped and waited for, and one whose owner died is launched
+    again (it resumes from its checkpoint)."""
     start = time.perf_counter()
     plan = make_plan(args.table, args.scale, args.seeds, args.overrides)
     if args.dry_run:
         print_plan(plan, dry_run=True)
         return 0
-    if plan.to_run():
-        cmd = sweep_command(args.table, args.scale, args.seeds, args.launcher, args.overrides)
-        print("$ " + " ".join(cmd[1:]), flush=True)
-        subprocess.run(cmd, check=False)  # failures are in the records; the table says which
+    launched: set[str] = set()
+    while True:
+        todo = [r for r in plan.to_run() if r.run_id not in launched]
+        busy = plan.busy()
+        if todo:
+            launched |= {r.run_id for r in todo}
+            cmd = sweep_command(args.table, args.scale, args.seeds, args.launcher, args.overrides)
+            print("$ " + " ".join(cmd[1:]), flush=True)
+            subprocess.run(cmd, check=False)  # failures are in the records; the table says which
+        elif busy:
+            wait_for(busy)
+        else:
+            break
         plan = make_plan(args.table, args.scale, args.seeds, args.overrides)
-    else:
+    if not launched:
         print_plan(plan, dry_run=False)
     status = render(plan, args.out)
     print(f"table {plan.spec.id} at scale {plan.scale.name}: {time.perf_counter() - start:.0f} s wall time")

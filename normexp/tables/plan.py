@@ -9,7 +9,6 @@ Points that compose to the same config (two paper rows on one micro member) shar
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -19,14 +18,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..config import validate
 from ..errors import UserError
+from ..tracking.lock import read_owner
 from ..tracking.provenance import config_hash
-from ..tracking.records import output_root
+from ..tracking.records import DONE, Record, index_records, output_root
 from .spec import Point, Scale, TableSpec, expand_blocks, get_path
 
 log = logging.getLogger(__name__)
 
-DONE = ("completed", "diverged")  # statuses that are results: such a run is never repeated
 ComposeFn = Callable[[list[str]], DictConfig]
 
 
@@ -36,44 +36,6 @@ def tables_root(root: Path | None = None) -> Path:
 
 def table_dir(table_id: str, scale: str, root: Path | None = None) -> Path:
     return tables_root(root) / scale / table_id
-
-
-@dataclass
-class Record:
-    dir: Path
-    summary: dict[str, Any]
-
-    @property
-    def status(self) -> str:
-        return self.summary.get("status", "unknown")
-
-    @property
-    def config(self) -> dict[str, Any]:
-        import yaml
-
-        return yaml.safe_load((self.dir / "config.yaml").read_text()) or {}
-
-
-_RANK = {"completed": 3, "diverged": 3, "failed": 1, "running": 0}
-
-
-def index_records(root: Path) -> dict[str, Record]:
-    """``run_id -> record`` of the records under ``root`` (a result beats a failure, newer beats older)."""
-    index: dict[str, Record] = {}
-    for path in sorted(root.glob("**/summary.json")) if root.is_dir() else []:
-        try:
-            summary = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # a record being written, or a foreign file
-        run_id = summary.get("run_id")
-        if not run_id:
-            continue
-        new = Record(path.parent, summary)
-        old = index.get(run_id)
-        key = (_RANK.get(new.status, 0), summary.get("finished_at") or "")
-        if old is None or key > (_RANK.get(old.status, 0), old.summary.get("finished_at") or ""):
-            index[run_id] = new
-    return index
 
 
 @dataclass
@@ -101,6 +63,15 @@ class PlannedRun:
         return self.status in DONE
 
     @property
+    def live(self) -> bool:
+        """Running in a live process (this planner's or another's): neither launched again nor a result."""
+        return self.status == "running"
+
+    def owner(self) -> str:
+        found = read_owner(self.record.dir) if self.record is not None else None
+        return found.describe() if found is not None else "a live process"
+
+    @property
     def dir_name(self) -> str:
         return f"{self.config.get('name', 'run')}-{self.run_id[:8]}"
 
@@ -117,15 +88,42 @@ class TablePlan:
         return [(p, r) for r in self.runs for p in r.points]
 
     def to_run(self) -> list[PlannedRun]:
-        return [r for r in self.runs if not r.done and not r.blocked]
+        return [r for r in self.runs if not r.done and not r.live and not r.blocked]
 
     def blocked(self) -> list[PlannedRun]:
-        return [r for r in self.runs if not r.done and r.blocked]
+        return [r for r in self.runs if not r.done and not r.live and r.blocked]
+
+    def busy(self) -> list[PlannedRun]:
+        """The runs another process is running now (another planner, a SLURM job): waited for."""
+        return [r for r in self.runs if r.live]
+
+    def run_name(self, run: PlannedRun) -> str:
+        """What dashboards call ``run``: ``<table>/<its row labels>/s<seed>``, e.g.
+        ``dyt_squash/ViT-S/tanh/s0`` (a label that differs between the rows one run serves lists them all:
+        ``ViT-S,ViT-B``)."""
+        labels = [",".join(dict.fromkeys(self.spec.display(k, p.labels[k]) for p in run.points))
+                  for k in self.spec.label_keys]
+        return "/".join([self.spec.id, *labels, f"s{run.points[0].seed}"])
+
+    def dashboard_metric(self, run: PlannedRun) -> str | None:
+        """The table's headline metric as dashboards name it (``final/val/top1``; the EMA's when the run
+        evaluates one), or None for one that is not a final metric (``params``)."""
+        from ..tasks import get_task
+
+        task = get_task(run.config["task"]["name"])
+        reported = task.metrics(run.config) if task.metrics else []
+        metric = next((m for m in self.spec.metrics if m.delta), self.spec.metrics[0])
+        names = [p.removeprefix("metrics.final.") for p in metric.value if p.startswith("metrics.final.")]
+        return next((f"final/{n}" for n in names if n in reported), None)
 
     def job_overrides(self, run: PlannedRun, root: Path | None = None) -> list[str]:
-        """The overrides of ``run``'s job: its settings, where it lives, and which table row it serves."""
+        """The overrides of ``run``'s job: its settings, where it lives, which table row it serves and what
+        dashboards call it (``table.*`` is not part of the run's identity)."""
         point = run.points[0]
-        marks = [f"+table.id={self.spec.id}", f"+table.scale={self.scale.name}"]
+        marks = [f"+table.id={self.spec.id}", f"+table.scale={self.scale.name}",
+                 f"+table.run_name={_override_value(self.run_name(run))}"]
+        metric = self.dashboard_metric(run)
+        marks += [f"+table.metric={_override_value(metric)}"] if metric else []
         marks += [f"+table.row.{k}={_override_value(v)}" for k, v in point.labels.items()]
         where = table_dir(self.spec.id, self.scale.name, root)
         return [*run.overrides, *marks, f"hydra.sweep.dir={_override_value(where)}",
@@ -169,6 +167,10 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
         config = resolved(cfg)
         run_id = config_hash(config)
         if run_id not in runs:
+            try:  # the config alone: its data may live on the machines that run it
+                validate(cfg, environment=False)
+            except UserError as e:
+                raise UserError(f"table {spec.id}: the run {' '.join(overrides)} is invalid: {e}") from None
             runs[run_id] = PlannedRun(run_id, overrides, config, record=index.get(run_id), blocked=blocked)
         runs[run_id].points.append(point)
     return TablePlan(spec, scale, seeds, list(runs.values()))

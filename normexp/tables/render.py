@@ -11,10 +11,12 @@ import csv
 import io
 import json
 import re
+import textwrap
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..plotting import member_styles
 from .aggregate import DERIVED_NOTES, Cell, Row, TableResult, metric_value
 from .spec import Metric, get_path
 
@@ -92,6 +94,7 @@ def caption(result: TableResult) -> list[str]:
                  f"commit {commits}; {hardware}.")
     lines.append("Cells: mean ± std (n completed seeds); `diverged@<step>`: the training loss became "
                  "non-finite at that step (a result); `failed`, `missing`: no result.")
+    lines += shared_runs_notes(result)
     if spec.paper_note:
         lines.append(f"Paper values: {spec.paper_note}")
     for name in result.derived_used:
@@ -103,23 +106,72 @@ def caption(result: TableResult) -> list[str]:
 
 def shows_run_as(result: TableResult) -> bool:
     """Whether some row ran another backbone than its paper's (a scale's ``*_micro`` member)."""
-    return any(r.run_as != sorted({str(p.backbone) for p, _ in r.points}) for r in result.rows)
+    return any(r.run_as != sorted({str(p.backbone) for p, _ in r.points}) or r.same_as for r in result.rows)
+
+
+def row_label(result: TableResult, row: Row, keys: tuple[str, ...] | None = None) -> str:
+    spec = result.spec
+    return " / ".join(spec.display(k, row.labels[k]) for k in (keys or spec.label_keys))
+
+
+def ran_as(result: TableResult, row: Row, keys: tuple[str, ...] | None = None) -> str:
+    """What ran for ``row``; for a row served by the very runs of an earlier one, which row that is."""
+    same = f" (= {row_label(result, row.same_as, keys)})" if row.same_as is not None else ""
+    return ", ".join(row.run_as) + same
+
+
+def repeated_groups(result: TableResult) -> dict[str, str]:
+    """Groups (values of the first row key) every row of which repeats the runs of another group's rows:
+    ``{repeating group: the group it repeats}``."""
+    key = result.spec.rows[0]
+    groups: dict[str, list[Row]] = {}
+    for row in result.rows:
+        groups.setdefault(str(row.labels[key]), []).append(row)
+    repeated = {}
+    for group, rows in groups.items():
+        origins = {str(r.same_as.labels[key]) for r in rows if r.same_as is not None}
+        if len(origins) == 1 and all(r.same_as is not None for r in rows) and origins != {group}:
+            repeated[group] = origins.pop()
+    return repeated
+
+
+def shared_runs_notes(result: TableResult) -> list[str]:
+    """One sentence per set of rows that are one set of runs at this scale (two paper models mapped onto one
+    member): their values are shown on each row but are one result, not several."""
+    spec, key = result.spec, result.spec.rows[0]
+    repeated = repeated_groups(result)
+    notes = []
+    for origin in dict.fromkeys(repeated.values()):
+        copies = [g for g, o in repeated.items() if o == origin]
+        names = [spec.display(key, g) for g in [origin, *copies]]
+        members = ", ".join(next(r.run_as for r in result.rows if str(r.labels[key]) == origin))
+        notes.append(f"At this scale {_and(names)} are the same runs ({members}): the rows of "
+                     f"{_and(names[1:])} repeat {names[0]}'s values; they are one result, not {len(names)}.")
+    for row in result.rows:
+        if row.same_as is not None and str(row.labels[key]) not in repeated:
+            notes.append(f"At this scale {row_label(result, row)} is the same run(s) as "
+                         f"{row_label(result, row.same_as)}: its values repeat those, not a second result.")
+    return notes
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 # ---------------------------------------------------------------- grids (shared by Markdown and LaTeX)
 def grid(result: TableResult) -> tuple[list[str], list[list[str]]]:
     """Header and body cells of the table as shown (long layout, or a pivot for ``columns`` tables)."""
     spec = result.spec
-    run_as = shows_run_as(result)
+    shown = shows_run_as(result)
     if spec.columns:
-        return _pivot_grid(result, run_as)
-    header = [spec.header(k) for k in spec.rows] + (["run as"] if run_as else [])
+        return _pivot_grid(result, shown)
+    header = [spec.header(k) for k in spec.rows] + (["run as"] if shown else [])
     for m in spec.metrics:
         header += [f"{m.label}", "paper"] + ([f"Δ {m.label}", "Δ paper"] if m.delta else [])
     body = []
     for row in result.rows:
         line = [spec.display(k, row.labels[k]) for k in spec.rows]
-        line += [", ".join(row.run_as)] if run_as else []
+        line += [ran_as(result, row)] if shown else []
         for m in spec.metrics:
             cell = row.cells[m.key]
             line += [ours(cell, m), paper(cell, m)]
@@ -129,7 +181,7 @@ def grid(result: TableResult) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
-def _pivot_grid(result: TableResult, run_as: bool) -> tuple[list[str], list[list[str]]]:
+def _pivot_grid(result: TableResult, shown: bool) -> tuple[list[str], list[list[str]]]:
     spec, metric = result.spec, result.spec.metrics[0]
     col_key = spec.columns
     columns = list(dict.fromkeys(str(r.labels[col_key]) for r in result.rows))
@@ -145,12 +197,12 @@ def _pivot_grid(result: TableResult, run_as: bool) -> tuple[list[str], list[list
         if metric.delta:
             what += [("Δ ours", lambda c: delta(c.delta, metric)),
                      ("Δ paper", lambda c: delta(c.paper_delta, metric))]
-        if run_as:
+        if shown:
             what.append(("run as", None))
         for i, (label, show) in enumerate(what):
             shown = names if i == 0 else [""] * len(names)
             if show is None:
-                values = [", ".join(cells[c].run_as) if c in cells else "" for c in columns]
+                values = [ran_as(result, cells[c], spec.rows) if c in cells else "" for c in columns]
             else:
                 values = [show(cells[c].cells[metric.key]) if c in cells else "" for c in columns]
             body.append(shown + [label] + values)
@@ -173,13 +225,14 @@ def to_csv(result: TableResult) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     keys = list(spec.label_keys)
-    writer.writerow(["table", "scale", *keys, "run_as", "metric", "mean", "std", "n", "markers", "paper",
-                     "delta", "paper_delta"])
+    writer.writerow(["table", "scale", *keys, "run_as", "same_runs_as", "metric", "mean", "std", "n",
+                     "markers", "paper", "delta", "paper_delta"])
     for row in result.rows:
+        same = row_label(result, row.same_as) if row.same_as is not None else ""
         for m in spec.metrics:
             cell = row.cells[m.key]
             writer.writerow([spec.id, result.plan.scale.name, *[row.labels[k] for k in keys],
-                             " ".join(row.run_as), m.key, _raw(cell.mean), _raw(cell.std), cell.n,
+                             " ".join(row.run_as), same, m.key, _raw(cell.mean), _raw(cell.std), cell.n,
                              "; ".join(cell.markers), "" if cell.paper is None else cell.paper,
                              _raw(cell.delta), _raw(cell.paper_delta)])
     return out.getvalue()
@@ -220,7 +273,9 @@ def headline(result: TableResult) -> Metric:
 
 
 def plot_bars(result: TableResult, path: Path) -> None:
-    """The headline metric per normalizer (bars, std as error bars), grouped by the first row key."""
+    """The headline metric per normalizer (bars, std as error bars), grouped by the first row key: each
+    normalizer in its colour (``normexp.plotting``), its variants hatched, every bar in the legend; rows that
+    repeat another row's runs are drawn once, under both names."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,30 +283,39 @@ def plot_bars(result: TableResult, path: Path) -> None:
 
     spec, metric = result.spec, headline(result)
     group_key = spec.rows[0]
-    groups = list(dict.fromkeys(str(r.labels[group_key]) for r in result.rows))
-    members = list(dict.fromkeys(tuple(str(r.labels[k]) for k in spec.label_keys if k != group_key)
-                                 for r in result.rows))
-    width = 0.8 / max(len(members), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(len(members), 1) * 0.6 + 2), 4.2))
-    colors = plt.get_cmap("tab10")
-    for j, member in enumerate(members):
-        for i, group in enumerate(groups):
-            row = next((r for r in result.rows if str(r.labels[group_key]) == group and
-                        tuple(str(r.labels[k]) for k in spec.label_keys if k != group_key) == member), None)
-            if row is None:
-                continue
-            cell, x = row.cells[metric.key], i - 0.4 + width * (j + 0.5)
-            label = _member_label(spec, group_key, member) if i == 0 else None
-            ax.bar(x, cell.mean or 0, width, yerr=cell.std or 0, color=colors(j % 10), capsize=3, label=label)
+    rows = [r for r in result.rows if r.same_as is None]
+    repeated = repeated_groups(result)
+    groups = list(dict.fromkeys(str(r.labels[group_key]) for r in rows))
+    members = {g: [r for r in rows if str(r.labels[group_key]) == g] for g in groups}
+
+    def member(row: Row) -> tuple[str, ...]:
+        return tuple(str(row.labels[k]) for k in spec.label_keys if k != group_key)
+
+    styles = member_styles((r.norm, member(r)) for r in rows)
+    width = 0.8 / max((len(m) for m in members.values()), default=1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * len(rows) + 2), 4.2))
+    labelled: set[tuple[str, ...]] = set()
+    for i, group in enumerate(groups):
+        for j, row in enumerate(members[group]):  # the group's bars side by side, centred on its tick
+            cell, style = row.cells[metric.key], styles[member(row)]
+            x = i + width * (j - (len(members[group]) - 1) / 2)
+            label = None if member(row) in labelled else _member_label(spec, group_key, member(row))
+            labelled.add(member(row))
+            ax.bar(x, cell.mean or 0, width, yerr=cell.std or 0, color=style["color"], hatch=style["hatch"],
+                   edgecolor="white", linewidth=0.5, capsize=3, label=label)
             if isinstance(cell.paper, (int, float)):
                 ax.plot([x - width / 2, x + width / 2], [cell.paper] * 2, color="black", lw=2)
             markers = [m.split(":")[0] for m in cell.markers if m != "n/a"]  # "failed: <error>" -> "failed"
             if markers:
                 ax.text(x, 0, " " + ", ".join(markers), ha="center", va="bottom", rotation=90, fontsize=7)
-    ax.set_xticks(range(len(groups)), [spec.display(group_key, g) for g in groups])
+    named = {g: [g, *(copy for copy, origin in repeated.items() if origin == g)] for g in groups}
+    ticks = [" =\n".join(spec.display(group_key, g) for g in named[group]) for group in groups]
+    ax.set_xticks(range(len(groups)), ticks)
     ax.set_ylabel(metric.label)
-    ax.set_title(f"{spec.title} ({result.plan.scale.name}; black ticks: paper)", fontsize=9)
-    ax.legend(fontsize=8, ncol=min(4, max(len(members), 1)))
+    title = (f"{spec.title} ({result.plan.scale.name}; black ticks: paper"
+             + ("; a = b: the same runs, ticks: a's paper values" if repeated else "") + ")")
+    ax.set_title(textwrap.fill(title, int(12 * fig.get_figwidth())), fontsize=9)
+    ax.legend(fontsize=8, ncol=min(4, max(len(labelled), 1)))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -264,7 +328,8 @@ def _member_label(spec: Any, group_key: str, member: tuple[str, ...]) -> str:
 
 
 def plot_curves(result: TableResult, path: Path) -> None:
-    """Training loss per step and the headline validation metric per epoch of every run of the table."""
+    """Training loss per step and the headline validation metric per epoch of every run of the table, each
+    normalizer in its colour, its rows by line style (a row that repeats another row's runs: drawn once)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,27 +338,34 @@ def plot_curves(result: TableResult, path: Path) -> None:
     from ..tracking.records import read_metrics
 
     spec = result.spec
-    finals = [p for m in spec.metrics for p in m.value if p.startswith("metrics.final.")]
-    val_key = finals[0].removeprefix("metrics.final.") if finals else None
+    rows = [r for r in result.rows if r.same_as is None]
+    logs = {run.run_id: read_metrics(run.record.dir) for r in rows for _, run in r.points
+            if run.record is not None and (run.record.dir / "metrics.jsonl").is_file()}
+    finals = [p.removeprefix("metrics.final.") for m in spec.metrics for p in m.value
+              if p.startswith("metrics.final.")]  # the first the runs log (EMA's where there is an EMA)
+    val_key = next((k for k in finals if any(k in r for log in logs.values() for r in log)), None)
     fig, (ax_loss, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = plt.get_cmap("tab20")
-    for i, row in enumerate(result.rows):
-        label = " / ".join(spec.display(k, v) for k, v in row.labels.items())
+    styles = member_styles((r.norm, r.key) for r in rows)
+    for row in rows:
+        copies = [r for r in result.rows if r.same_as is row]
+        label = " = ".join(row_label(result, r) for r in [row, *copies])
+        style = styles[row.key]
         for j, (_, run) in enumerate(sorted(row.points, key=lambda pr: pr[0].seed)):
-            if run.record is None or not (run.record.dir / "metrics.jsonl").is_file():
+            if run.run_id not in logs:
                 continue
-            rows = read_metrics(run.record.dir)
-            steps = [(r["step"], r["train/loss"]) for r in rows  # the interval rows, not the epoch rows
+            records = logs[run.run_id]
+            steps = [(r["step"], r["train/loss"]) for r in records  # the interval rows, not the epoch rows
                      if isinstance(r.get("train/loss"), (int, float)) and "val/top1" not in r]
-            kw = {"color": colors(i % 20), "lw": 1, "label": label if j == 0 else None}
+            kw = {"color": style["color"], "ls": style["linestyle"], "lw": 1,
+                  "label": label if j == 0 else None}
             if steps:
                 ax_loss.plot(*zip(*steps, strict=True), **kw)
             if val_key:
-                vals = [(r["epoch"], r[val_key]) for r in rows if isinstance(r.get(val_key), (int, float))]
+                vals = [(r["epoch"], r[val_key]) for r in records if isinstance(r.get(val_key), (int, float))]
                 if vals:
                     ax_val.plot(*zip(*vals, strict=True), marker=".", **kw)
             if run.status == "diverged":
-                ax_loss.axvline(get_path(run.record.summary, "diverged.step"), color=colors(i % 20), ls=":")
+                ax_loss.axvline(get_path(run.record.summary, "diverged.step"), color=style["color"], ls=":")
     ax_loss.set(xlabel="step", ylabel="train/loss", title="training loss (dotted: divergence)")
     ax_loss.set_yscale("log")
     ax_val.set(xlabel="epoch", ylabel=val_key or "", title=val_key or "no per-epoch metric")
@@ -304,8 +376,9 @@ def plot_curves(result: TableResult, path: Path) -> None:
         handles, labels = ax_val.get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7)
-    fig.suptitle(f"{spec.title} ({result.plan.scale.name})", fontsize=9)
-    fig.tight_layout(rect=(0, 0.12 if handles else 0, 1, 1))
+    fig.suptitle(textwrap.fill(f"{spec.title} ({result.plan.scale.name})", 120), fontsize=9)
+    rows_of_legend = (len(labels) + 3) // 4 if handles else 0
+    fig.tight_layout(rect=(0, min(0.06 * rows_of_legend, 0.4), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

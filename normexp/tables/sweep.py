@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import read_write
 
-from ..errors import UserError
+from ..errors import UserError, one_line
 from .plan import PlannedRun, TablePlan, plan_table, table_dir
 from .spec import get_path, load_scale, load_table
 
@@ -57,11 +57,14 @@ def describe(plan: TablePlan, run: PlannedRun) -> str:
 def print_plan(plan: TablePlan, dry_run: bool) -> None:
     spec, scale = plan.spec, plan.scale
     done = [r for r in plan.runs if r.done]
-    todo, blocked = plan.to_run(), plan.blocked()
+    todo, blocked, busy = plan.to_run(), plan.blocked(), plan.busy()
     print(f"table {spec.id} at scale {scale.name}: {len(plan.points)} points, {len(plan.runs)} distinct "
-          f"runs; {len(done)} done (skipped), {len(todo)} to run, {len(blocked)} blocked", flush=True)
+          f"runs; {len(done)} done (skipped), {len(todo)} to run, {len(blocked)} blocked"
+          + (f", {len(busy)} running elsewhere" if busy else ""), flush=True)
     for run in done:
         print(f"  skip  {describe(plan, run)}: {run.status} at {run.record.dir}")  # type: ignore[union-attr]
+    for run in busy:
+        print(f"  busy  {describe(plan, run)}: running in {run.owner()}")
     for run in blocked:
         print(f"  wait  {describe(plan, run)}: {run.blocked}")
     for run in todo:
@@ -98,9 +101,11 @@ def run_table_sweep(sweeper: Any, arguments: list[str]) -> list[Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     returns = sweeper.launcher.launch([plan.job_overrides(run) for run in todo], initial_job_idx=0)
     print(f"table {spec.id} at scale {scale.name}: launched {len(todo)} run(s)")
-    for run in todo:
+    for run, job in zip(todo, returns, strict=False):
         summary = out_dir / run.dir_name / "summary.json"
         status = json.loads(summary.read_text())["status"] if summary.is_file() else "no record"
-        print(f"  {status:9s} {describe(plan, run)}: {out_dir / run.dir_name}")
+        error = getattr(job, "_return_value", None)  # a job refused before its record: why (one line)
+        why = f" ({one_line(error)})" if status == "no record" and isinstance(error, BaseException) else ""
+        print(f"  {status:9s} {describe(plan, run)}: {out_dir / run.dir_name}{why}")
     print(flush=True)
     return [returns]

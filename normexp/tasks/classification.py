@@ -24,6 +24,15 @@ def unreadable_images(data: Any) -> list[str]:
     return sorted(set().union(*distributed.all_gather_objects(files)))
 
 
+def check_classification(cfg: Any) -> None:
+    """Before any work: the settings of the corruption evaluation after training, when it is on."""
+    settings = cfg.task.get("robustness")
+    if settings is not None and settings.enabled:
+        if settings.ema and not cfg.trainer.ema.enabled:
+            raise UserError("task.robustness.ema=true needs trainer.ema.enabled=true")
+        check_robustness_settings(settings, cfg.data)
+
+
 def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
     data = build_classification_data(cfg.data, cfg.seed)
     model = build_backbone(cfg.backbone, cfg.norm)
@@ -33,10 +42,6 @@ def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
              record.summary["params"] / 1e6, record.summary["gmacs"])
     settings = cfg.task.get("robustness")
     robustness = settings is not None and settings.enabled
-    if robustness:  # bad settings fail now, not after training
-        if settings.ema and not cfg.trainer.ema.enabled:
-            raise UserError("task.robustness.ema=true needs trainer.ema.enabled=true")
-        check_robustness_settings(settings, cfg.data)
     trainer = Trainer(cfg.trainer, model, data, record)
     try:
         metrics = trainer.fit()

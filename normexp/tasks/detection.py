@@ -88,6 +88,12 @@ def load_backbone_weights(body: nn.Module, state: dict[str, Any], source: str) -
     body.load_state_dict(state, strict=False)
 
 
+def check_detection(cfg: Any) -> None:
+    """Before any work: a detector torchvision builds."""
+    if cfg.task.detector not in DETECTORS:
+        raise UserError(f"unknown task.detector '{cfg.task.detector}'; available: {', '.join(DETECTORS)}")
+
+
 def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
     """The config with the pretrained run's backbone and norm in place of the configured ones.
 
@@ -96,8 +102,7 @@ def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
     What belongs to this run stays this run's: ``drop_path_rate`` (the detection recipe's) and the ``dense``
     settings (from the backbone's config file, so runs recorded before a family had them still work).
     """
-    if cfg.task.detector not in DETECTORS:
-        raise UserError(f"unknown task.detector '{cfg.task.detector}'; available: {', '.join(DETECTORS)}")
+    check_detection(cfg)
     if not cfg.task.get("pretrained"):
         return cfg
     trained = checkpoint_run_config(cfg.task.pretrained)

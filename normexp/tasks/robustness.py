@@ -127,6 +127,18 @@ def check_robustness_settings(settings: Any, data_cfg: Any) -> None:
     choose_normaliser(settings, data_cfg, corruptions, severities)
 
 
+def require_checkpoint(cfg: Any) -> None:
+    if not cfg.task.get("checkpoint"):
+        raise UserError("task=robustness needs task.checkpoint=<run dir or checkpoint file> (or train and "
+                        "evaluate in one run: task=classification task.robustness.enabled=true)")
+
+
+def check_robustness(cfg: Any) -> None:
+    """``task=robustness``: a checkpoint to evaluate, and the corruption settings."""
+    require_checkpoint(cfg)
+    check_robustness_settings(cfg.task, cfg.data)
+
+
 # ---------------------------------------------------------------- evaluation
 def count_correct(model: nn.Module, suite: CorruptionSuite, batch_size: int, num_workers: int,
                   precision: Precision, progress: bool) -> list[tuple[int, int]]:
@@ -248,9 +260,7 @@ def with_checkpoint_model(cfg: DictConfig) -> DictConfig:
     Data must be the run's dataset at the run's size and classes (the model fixes them); loading and
     location settings (root, batch sizes, workers) are this run's; other differences are reported.
     """
-    if not cfg.task.get("checkpoint"):
-        raise UserError("task=robustness needs task.checkpoint=<run dir or checkpoint file> (or train and "
-                        "evaluate in one run: task=classification task.robustness.enabled=true)")
+    require_checkpoint(cfg)
     trained = checkpoint_run_config(cfg.task.checkpoint)
     if trained is None:
         log.info("checkpoint %s stores no config: evaluating the configured model", cfg.task.checkpoint)

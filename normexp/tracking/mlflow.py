@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .provenance import config_hash
-from .records import output_root, read_metrics, run_labels
+from .records import display_name, output_root, read_metrics, run_labels
 
 log = logging.getLogger(__name__)
 
@@ -187,12 +187,18 @@ def import_records(records: Iterable[tuple[Path, dict[str, Any], dict[str, Any]]
             continue
         start, end = _millis(summary.get("started_at")), _millis(summary.get("finished_at"))
         experiment = (config.get("table") or {}).get("id") or default_experiment
-        run_id = store.start(experiment, config.get("name"), mlflow_tags(config, run_dir, summary["run_id"]),
-                             start)
+        tags = mlflow_tags(config, run_dir, summary["run_id"])
+        run_id = store.start(experiment, display_name(config), tags, start)
         store.log_params(run_id, flatten(config))
         stamp = start or int(time.time() * 1000)
+        rows = _rows(run_dir)
+        first = (config.get("table") or {}).get("metric")  # a table's metric: the one its comparison shows
+        headline = {k: v for k, v in summary_metrics(summary).items() if k == first}
+        if headline:  # logged first, MLflow's compare page plots it by default
+            step = max((r.get("step") or 0 for r in rows), default=0)
+            store.log_metrics(run_id, [(headline, step, end or stamp)])
         store.log_metrics(run_id, [(numeric_metrics(row), int(row.get("step") or 0), stamp)
-                                   for row in _rows(run_dir) if numeric_metrics(row)])
+                                   for row in rows if numeric_metrics(row)])
         store.finish(run_id, run_dir, summary, artifacts, end_time=end)
         known.add(summary["run_id"])
         imported += 1

@@ -4,7 +4,6 @@ checkpoint is one line."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -25,26 +24,32 @@ ARGS = ["trainer.epochs=2", "trainer.warmup_epochs=0", "trainer.checkpoint_inter
 ENV = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
 
 
-def command(run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "normexp", *ARGS, f"hydra.run.dir={run_dir}"]
+def command(run_dir: Path | None) -> list[str]:
+    """The run's command: in ``run_dir``, or (None) in the directory Hydra names, under the output root."""
+    return [sys.executable, "-m", "normexp", *ARGS, *([f"hydra.run.dir={run_dir}"] if run_dir else [])]
 
 
-def finish(run_dir: Path) -> dict:
-    done = subprocess.run(command(run_dir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+def finish(run_dir: Path | None, output: Path | None = None) -> dict:
+    env = {**ENV, "NORMEXP_OUTPUT_DIR": str(output)} if output else ENV
+    done = subprocess.run(command(run_dir), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    return read_summary(run_dir)
+    return read_summary(run_dir) if run_dir else {}
 
 
-def start_until_step(run_dir: Path, step: int) -> tuple[subprocess.Popen, int]:
-    """Start the run and return once it has logged ``step`` (and the last step logged)."""
-    process = subprocess.Popen(command(run_dir), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+def start_until_step(run_dir: Path | None, step: int, output: Path | None = None,
+                     stderr: int | None = subprocess.DEVNULL) -> tuple[subprocess.Popen, int, Path]:
+    """Start the run and return once it has logged ``step`` (and the last step logged, and its directory;
+    ``run_dir`` None: the one Hydra names under ``output``)."""
+    env = {**ENV, "NORMEXP_OUTPUT_DIR": str(output)} if output else ENV
+    process = subprocess.Popen(command(run_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                               text=True)
     deadline = time.time() + 600
     while time.time() < deadline:
-        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+        found = run_dir or next((p.parent for p in output.rglob("metrics.jsonl")), None)
+        rows = read_metrics(found) if found and (found / "metrics.jsonl").is_file() else []
         logged = max((r["step"] for r in rows), default=0)
         if logged >= step:
-            return process, logged
+            return process, logged, found
         assert process.poll() is None, "the run ended before it was interrupted"
         time.sleep(0.05)
     process.kill()
@@ -67,22 +72,25 @@ def assert_same_run(resumed_dir: Path, reference: dict) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_mid_epoch_then_resume(tmp_path, uninterrupted):
-    run_dir = tmp_path / "run"
-    process, _ = start_until_step(run_dir, 12)
+def test_sigkill_mid_epoch_then_the_same_command(tmp_path, uninterrupted):
+    """kill -9, then the very command again (no directory given): it finds the unfinished run and continues
+    it there, and the one run directory ends as an uninterrupted run does."""
+    output = tmp_path / "outputs"
+    process, _, run_dir = start_until_step(None, 12, output)
     process.kill()
     process.wait()
     state = load_checkpoint(run_dir)
     assert state["epoch"] == 0 and 0 < state["batch"] < 22  # mid-epoch (22 updates per epoch)
     assert read_summary(run_dir)["status"] == "running"
-    finish(run_dir)
+    finish(None, output)
+    assert [p.parent for p in output.rglob("summary.json")] == [run_dir]
     assert_same_run(run_dir, uninterrupted)
 
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_after_the_current_step_then_resumes(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    process, logged = start_until_step(run_dir, 7)
+    process, logged, _ = start_until_step(run_dir, 7)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 128 + signal.SIGTERM
     summary = read_summary(run_dir)
@@ -90,6 +98,23 @@ def test_sigterm_checkpoints_after_the_current_step_then_resumes(tmp_path, unint
     stopped_at = load_checkpoint(run_dir)["update"]
     assert logged <= stopped_at <= logged + 2  # the update under way finished, no more
     finish(run_dir)
+    assert_same_run(run_dir, uninterrupted)
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_and_the_command_it_names_continues(tmp_path, uninterrupted):
+    output = tmp_path / "outputs"
+    process, logged, run_dir = start_until_step(None, 7, output, stderr=subprocess.PIPE)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGINT and "Traceback" not in err
+    message = err.strip().splitlines()[-1]
+    assert message.startswith("interrupted: SIGINT at step ") and str(run_dir) in message
+    assert message.endswith("the same command continues it: python -m normexp " + " ".join(ARGS))
+    assert read_summary(run_dir)["status"] == "interrupted"
+    assert logged <= load_checkpoint(run_dir)["update"] <= logged + 2
+    finish(None, output)
+    assert [p.parent for p in output.rglob("summary.json")] == [run_dir]
     assert_same_run(run_dir, uninterrupted)
 
 
@@ -103,7 +128,7 @@ def test_a_kill_while_writing_leaves_the_previous_checkpoint(tmp_path):
 
     with pytest.raises(RuntimeError, match="killed mid-write"):
         save_checkpoint(path, {"model": {"w": torch.zeros(1000)}, "epoch": 2, "rest": Unpicklable()})
-    assert (tmp_path / "checkpoint.pth.tmp").is_file()  # the partial write
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]  # the partial write is removed
     previous = load_checkpoint(path)
     assert previous["epoch"] == 1 and torch.equal(previous["model"]["w"], torch.ones(3))
 
@@ -127,4 +152,4 @@ def test_truncated_checkpoint_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert lines[-1].startswith(f"error: cannot read checkpoint '{path}'") and "Traceback" not in out.stderr
-    assert json.loads((tmp_path / "r" / "summary.json").read_text())["status"] == "failed"
+    assert not (tmp_path / "r").exists()  # refused before the run started: nothing written

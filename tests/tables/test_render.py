@@ -141,3 +141,58 @@ def test_written_files_and_results_index(tmp_path):
     assert all(p.stat().st_size > 0 for p in paths)
     index = (tmp_path / "results" / "README.md").read_text()
     assert "[fab](tables/fab.md)" in index and "| smoke |" in index and "6 / 4 / 1 of 12" in index
+
+
+def drawn_bars(result, tmp_path, monkeypatch) -> list[dict]:
+    """Every bar ``plot_bars`` draws: its x, colour, hatch and legend label."""
+    from matplotlib.axes import Axes
+
+    from normexp.tables.render import plot_bars
+
+    bars, real_bar = [], Axes.bar
+
+    def bar(self, x, height, width, **kw):
+        bars.append({"x": x, "color": kw.get("color"), "hatch": kw.get("hatch"), "label": kw.get("label")})
+        return real_bar(self, x, height, width, **kw)
+
+    monkeypatch.setattr(Axes, "bar", bar)
+    plot_bars(result, tmp_path / "bars.png")
+    return bars
+
+
+def test_one_colour_per_normalizer_and_every_bar_in_the_legend(tmp_path, monkeypatch):
+    """LeViT's row is BN where the others are LN (grand): BN has its colour and its legend entry, LN keeps
+    its colour in every plot, and no group leaves an empty slot."""
+    from normexp.plotting import norm_color
+
+    plan = fabricated_plan(tmp_path)
+    for run in plan.runs:  # ViT-B plays LeViT, whose baseline is BN
+        point = run.points[0]
+        if point.labels["backbone.name"] == "vit_b" and point.labels["norm.name"] == "ln":
+            point.labels["norm.name"] = "bn"
+    bars = drawn_bars(aggregate(plan), tmp_path, monkeypatch)
+    assert [b["color"] for b in bars] == [norm_color(n) for n in ("ln", "dyt", "bn", "dyt")]
+    assert [b["label"] for b in bars if b["label"]] == ["LN", "DyT", "bn"]  # every normalizer, once
+    assert [round(b["x"], 3) for b in bars] == [-0.2, 0.2, 0.8, 1.2]  # each group's bars centred on it
+    assert norm_color("ln") != norm_color("bn") and norm_color("dtn") == "#ff7f0e"  # the same everywhere
+
+
+def test_rows_that_are_the_same_runs_are_said_once(tmp_path, monkeypatch):
+    """Two paper models that a scale maps onto one member (DTN's ViT-S and ViT-S* at smoke) are one set of
+    runs: the caption says so, the 'run as' cell and the CSV name the row they repeat, the plot draws them
+    once under both names."""
+    plan = fabricated_plan(tmp_path)
+    first = {(r.points[0].labels["norm.name"], r.points[0].seed): r for r in plan.runs
+             if r.points[0].labels["backbone.name"] == "vit_a"}
+    for run in [r for r in plan.runs if r.points[0].labels["backbone.name"] == "vit_b"]:
+        point = run.points[0]
+        first[point.labels["norm.name"], point.seed].points.append(point)  # vit_b's points on vit_a's runs
+    plan.runs = list(first.values())
+    result = aggregate(plan)
+    md = to_markdown(result)
+    assert md.count("are the same runs") == 1 and "the rows of ViT-B repeat ViT-A's values" in md
+    assert md_rows(md)["ViT-B DyT"][2] == "vit_a_micro (= ViT-A / DyT)"
+    rows = csv.DictReader(io.StringIO(to_csv(result)))
+    by = {(r["backbone.name"], r["norm.name"], r["metric"]): r["same_runs_as"] for r in rows}
+    assert by["vit_b", "dyt", "top1"] == "ViT-A / DyT" and by["vit_a", "dyt", "top1"] == ""
+    assert len(drawn_bars(result, tmp_path, monkeypatch)) == 2  # ViT-A = ViT-B: LN and DyT, once

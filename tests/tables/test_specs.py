@@ -122,3 +122,21 @@ def test_every_scale_loads():
     assert {"smoke", "full"} <= set(list_scales())
     for scale in list_scales():
         assert load_scale(scale).seeds
+
+
+def test_table_runs_are_named_after_the_rows_they_serve():
+    """Dashboards tell a table's runs apart by the rows they serve (both ViT sizes run as one micro member at
+    smoke, so one name says both), and plot the table's metric."""
+    from omegaconf import OmegaConf
+
+    from normexp.tracking.records import display_name
+
+    with hydra_composer() as compose:
+        plan = plan_table(load_table("dyt_squash"), load_scale("smoke"), None, compose)
+        names = sorted(plan.run_name(run) for run in plan.runs)
+        squashes = ("hardtanh", "identity", "sigmoid", "tanh")
+        assert names == [f"dyt_squash/ViT-S,ViT-B/{s}/s0" for s in squashes]
+        overrides = plan.job_overrides(plan.runs[0])
+        assert "+table.metric=final/val/top1" in overrides
+        job = compose([o for o in overrides if not o.startswith("hydra.")])
+        assert display_name(OmegaConf.to_container(job, resolve=True)) == plan.run_name(plan.runs[0])

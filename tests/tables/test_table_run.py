@@ -4,12 +4,14 @@ recorded as a result, a failing run that does not stop the others, re-runs that 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 SPEC = """
@@ -92,3 +94,42 @@ def test_table_runs_skips_and_recomputes(tmp_path):
 def md_cells_text(text: str) -> dict[str, list[str]]:
     lines = [line for line in text.splitlines() if line.startswith("| ")][1:]
     return {" ".join(c[:2]): c for c in ([x.strip() for x in line.strip("|").split(" | ")] for line in lines)}
+
+
+PAIR = """
+title: Two runs
+source: none
+rows: [norm.name]
+metrics:
+  - {key: top1, label: Top-1, value: metrics.final.val/top1, fmt: .2f}
+blocks:
+  - norm=ln,dyt
+"""
+
+
+@pytest.mark.slow
+def test_two_planners_at_once_train_every_run_once(tmp_path):
+    """Two `table run`s on one output root (two users, two SLURM array jobs): each job claims its run before
+    it trains, so every run is trained once, and both planners end with the whole table."""
+    spec, scale = tmp_path / "pair.yaml", tmp_path / "cpu1.yaml"
+    spec.write_text(PAIR)
+    scale.write_text(SCALE)
+    env = {**os.environ, "NORMEXP_OUTPUT_DIR": str(tmp_path / "out"), "WANDB_SILENT": "true"}
+    planners = [subprocess.Popen([sys.executable, "-m", "normexp", "table", "run", str(spec), "--scale",
+                                  str(scale), "--out", str(tmp_path / f"results{i}")], cwd=ROOT, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+    outputs = [p.communicate(timeout=1200)[0] for p in planners]
+    assert [p.returncode for p in planners] == [0, 0], outputs
+    runs = sorted((tmp_path / "out" / "tables" / "cpu1" / "pair").glob("*/summary.json"))
+    assert len(runs) == 2
+    for summary in runs:
+        log = (summary.parent / "normexp.log").read_text()
+        assert log.count("params, ") == 1, log  # trained once
+        epochs = [r for r in map(json.loads, (summary.parent / "metrics.jsonl").read_text().splitlines())
+                  if "val/top1" in r]
+        assert len(epochs) == 1 and json.loads(summary.read_text())["status"] == "completed"
+        assert not (summary.parent / "run.lock").exists()
+    for i in range(2):
+        cells = md_cells(tmp_path / f"results{i}" / "pair.md")
+        assert all(cells[row][1].endswith(" (1)") for row in cells), cells

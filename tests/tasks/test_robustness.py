@@ -175,18 +175,21 @@ def test_the_model_is_the_checkpoints(demo_run):
     assert cfg.name == "vit_micro-ln-digits-s0"  # the record and W&B name the evaluated model
 
 
-@pytest.mark.parametrize("override,message", [
-    (None, "task=robustness needs task.checkpoint"),
-    ("data.img_size=32", "trained with data.img_size=16; this run has 32: pass data.img_size=16"),
-    ("task.ema=true", "has no EMA weights"),
+@pytest.mark.parametrize("override,message,started", [
+    (None, "task=robustness needs task.checkpoint", False),
+    ("data.img_size=32", "trained with data.img_size=16; this run has 32: pass data.img_size=16", False),
+    ("task.ema=true", "has no EMA weights", True),  # known once the weights are read: a failed run
 ])
-def test_bad_checkpoint_settings_are_one_line_and_recorded(demo_run, tmp_path, override, message):
+def test_bad_checkpoint_settings_are_one_line(demo_run, tmp_path, override, message, started):
     cfg = robustness_cfg(demo_run, *([override] if override else []))
     if override is None:
         cfg.task.checkpoint = None
     with pytest.raises(UserError, match=message):
         run(cfg, tmp_path / "eval")
-    assert read_summary(tmp_path / "eval")["status"] == "failed"
+    if started:
+        assert read_summary(tmp_path / "eval")["status"] == "failed"
+    else:  # refused before the run started: nothing written
+        assert not (tmp_path / "eval").exists()
 
 
 def test_checkpoint_that_does_not_match_the_model(demo_run, tmp_path):

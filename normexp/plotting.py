@@ -1,0 +1,46 @@
+"""One look for every figure normexp draws: each normalizer has its colour, the same in every plot.
+
+``norm_color("dyt")`` is DyT's colour wherever DyT appears (tables' bars and curves, and any later figure);
+variants of one normalizer in one figure (DyT's squash functions, alpha settings) share its colour and differ
+by hatch (bars) or line style (curves), in the order they first appear (:func:`member_styles`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+# matplotlib's tab10 order for the normalizers the papers compare most, then the others
+NORM_COLORS: dict[str, str] = {
+    "ln": "#1f77b4", "dtn": "#ff7f0e", "dyt": "#2ca02c", "bn": "#d62728", "rms": "#9467bd",
+    "derf": "#8c564b", "in": "#e377c2", "gn": "#7f7f7f", "sn": "#bcbd22", "scale": "#17becf",
+    "power": "#393b79",
+}
+# colours for normalizers not listed above (a plugin's): chosen by a hash of the name, so still stable
+_SPARE = ("#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354", "#756bb1")
+HATCHES = ("", "//", "..", "xx", "\\\\", "oo", "--", "++")
+LINESTYLES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 3)),
+                               (0, (8, 3, 1, 3)))
+
+
+def norm_color(name: str | None) -> str:
+    """The colour of normalizer ``name`` (``norm.name``), the same in every figure."""
+    if name in NORM_COLORS:
+        return NORM_COLORS[name]
+    return _SPARE[zlib.crc32(str(name).encode()) % len(_SPARE)]
+
+
+def member_styles(members: Iterable[tuple[str | None, Hashable]]) -> dict[Hashable, dict[str, Any]]:
+    """The style of each member of a figure, given as ``(normalizer, member)`` in order: its normalizer's
+    colour, and -- the k-th member with that normalizer -- the k-th hatch and line style."""
+    styles: dict[Hashable, dict[str, Any]] = {}
+    seen: dict[str | None, int] = {}
+    for norm, member in members:
+        if member in styles:
+            continue
+        k = seen.get(norm, 0)
+        seen[norm] = k + 1
+        styles[member] = {"color": norm_color(norm), "hatch": HATCHES[k % len(HATCHES)],
+                          "linestyle": LINESTYLES[k % len(LINESTYLES)]}
+    return styles

@@ -1,0 +1,211 @@
+"""How a run starts: a refused start changes nothing, a done run is not run again, an unfinished one continues
+(the same command finds it), Ctrl-C checkpoints, a killed run reads as interrupted, and one process at a time
+holds a run directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import quick_cfg
+
+from normexp.engine.trainer import Interrupted, Trainer
+from normexp.errors import UserError
+from normexp.run import run
+from normexp.tracking import lock as lock_module
+from normexp.tracking.lock import RunBusy, RunLock, read_owner
+from normexp.tracking.records import (
+    effective_status,
+    index_records,
+    read_metrics,
+    read_summary,
+    write_json_atomic,
+)
+
+
+def digest(directory: Path) -> dict[str, str]:
+    """Every file under ``directory`` and a hash of its bytes."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def completed(tmp_path_factory) -> Path:
+    """A completed one-epoch run of ``quick_cfg()``."""
+    run_dir = tmp_path_factory.mktemp("completed") / "run"
+    assert run(quick_cfg(), run_dir)["status"] == "completed"
+    return run_dir
+
+
+def copy_of(completed: Path, tmp_path: Path, status: str | None = None) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(completed, run_dir)
+    if status is not None:  # the same record, as a run stopped before its end would have left it
+        summary = read_summary(run_dir)
+        summary["status"] = status
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+    return run_dir
+
+
+def damage(path: Path) -> None:
+    """4 KB of random bytes in the middle of the file (a bad block, a partial copy)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 4096] = random.Random(0).randbytes(4096)
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def held_by_a_live_process(run_dir: Path) -> None:
+    """A lock naming this test's parent process: alive, and not this process."""
+    owner = {"host": socket.gethostname(), "pid": os.getppid(), "pid_start": lock_module._process_start(
+        os.getppid()), "claimed_at": "2026-01-01T00:00:00+00:00"}
+    (run_dir / "run.lock").write_text(json.dumps(owner))
+
+
+REFUSALS = {
+    "another config": (None, None, ["trainer.epochs=5"],
+                       "holds another run (completed; it differs in trainer.epochs: 1 -> 5)"),
+    "an invalid value": (None, None, ["data.batch_size=0"], "data.batch_size=0: must be >= 1"),
+    "a truncated checkpoint": ("interrupted", truncate, [], "cannot read checkpoint"),
+    "a damaged checkpoint": ("interrupted", damage, [], "is damaged: record archive/data/"),
+    "a live owner": ("running", None, [], "is running in another process (pid "),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_refused_start_leaves_every_file_as_it_was(completed, tmp_path, case):
+    status, breakage, overrides, message = REFUSALS[case]
+    run_dir = copy_of(completed, tmp_path, status)
+    if breakage is not None:
+        breakage(run_dir / "checkpoint.pth")
+    if case == "a live owner":
+        held_by_a_live_process(run_dir)
+    before = digest(run_dir)
+    with pytest.raises(UserError, match="^[^\n]*$") as error:
+        run(quick_cfg(*overrides), run_dir)
+    assert message in str(error.value)
+    assert digest(run_dir) == before
+
+
+@pytest.mark.parametrize("breakage", [None, truncate])
+def test_a_completed_run_is_not_run_again(completed, tmp_path, breakage):
+    run_dir = copy_of(completed, tmp_path)
+    if breakage is not None:
+        breakage(run_dir / "checkpoint.pth")  # not needed: the run is done
+    before = digest(run_dir)
+    summary = run(quick_cfg(), run_dir)
+    assert summary == read_summary(completed) and summary["status"] == "completed"
+    assert digest(run_dir) == before
+
+
+def test_the_same_command_continues_its_unfinished_run_and_appends(tmp_path, monkeypatch):
+    """An interrupted run is found by its identity under the output root; its log is appended, not rewritten;
+    the temporary files a killed writer left are removed."""
+    monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path))
+    real_epoch = Trainer.train_one_epoch
+
+    def crash_in_epoch_2(self, epoch):
+        if epoch == 1:
+            raise KeyboardInterrupt
+        return real_epoch(self, epoch)
+
+    monkeypatch.setattr(Trainer, "train_one_epoch", crash_in_epoch_2)
+    first = tmp_path / "classification" / "first"
+    with pytest.raises(KeyboardInterrupt):
+        run(quick_cfg(epochs=2), first)
+    assert read_summary(first)["status"] == "interrupted"
+    logged = (first / "metrics.jsonl").read_bytes()
+    stale = [first / ".summary.json.12345.0badc0de.tmp", first / "checkpoint.pth.tmp"]
+    for path in stale:
+        path.write_text("half written")
+    monkeypatch.setattr(Trainer, "train_one_epoch", real_epoch)
+
+    again = tmp_path / "classification" / "again"  # the directory Hydra makes for the rerun
+    again.mkdir()
+    summary = run(quick_cfg(epochs=2), again, find_unfinished_run=True)
+    assert summary["status"] == "completed" and read_summary(first)["status"] == "completed"
+    assert not any(again.iterdir())  # nothing written there
+    assert (first / "metrics.jsonl").read_bytes().startswith(logged)
+    assert [r["epoch"] for r in read_metrics(first) if "val/top1" in r] == [1, 2]
+    assert not any(path.exists() for path in stale)
+    assert not (first / "run.lock").exists()
+
+
+def test_ctrl_c_checkpoints_the_update_under_way_and_records_interrupted(tmp_path, monkeypatch):
+    real_step = Trainer.optimizer_step
+
+    def ctrl_c_at_update_5(self):
+        real_step(self)
+        if self.update == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(Trainer, "optimizer_step", ctrl_c_at_update_5)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(Interrupted) as stop:
+        run(quick_cfg(epochs=2), tmp_path / "run")
+    assert stop.value.signum == signal.SIGINT
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "interrupted" and summary["error"].startswith("SIGINT at step 5")
+    from normexp.engine.checkpoint import load_checkpoint
+
+    assert load_checkpoint(tmp_path / "run")["update"] == 5
+    assert signal.getsignal(signal.SIGINT) is handler  # restored
+
+
+def test_a_killed_run_reads_as_interrupted(completed, tmp_path):
+    run_dir = copy_of(completed, tmp_path, "running")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    owner = {"host": socket.gethostname(), "pid": int(dead.stdout), "pid_start": None,
+             "claimed_at": "2026-01-01T00:00:00+00:00"}
+    (run_dir / "run.lock").write_text(json.dumps(owner))  # left by a kill -9
+    assert effective_status(run_dir, read_summary(run_dir)) == "interrupted"
+    assert index_records(tmp_path)[read_summary(run_dir)["run_id"]].status == "interrupted"
+    held_by_a_live_process(run_dir)
+    assert effective_status(run_dir, read_summary(run_dir)) == "running"
+
+
+def test_one_process_holds_a_run_directory(tmp_path, monkeypatch):
+    first = RunLock.acquire(tmp_path)
+    with pytest.raises(RunBusy, match=f"pid {os.getpid()} on {socket.gethostname()}"):
+        RunLock.acquire(tmp_path)
+    first.release()
+    assert not (tmp_path / "run.lock").exists()
+    with RunLock.acquire(tmp_path) as second:
+        assert read_owner(tmp_path).pid == os.getpid() and second.owned()
+
+    # another host's lock: alive while its heartbeat is fresh, taken over once it is stale
+    (tmp_path / "run.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "pid_start": None,
+                                                   "claimed_at": "2026-01-01T00:00:00+00:00"}))
+    with pytest.raises(RunBusy, match="on elsewhere"):
+        RunLock.acquire(tmp_path)
+    monkeypatch.setattr(lock_module, "STALE_AFTER_S", 0.0)
+    with RunLock.acquire(tmp_path):
+        assert read_owner(tmp_path).host == socket.gethostname()
+
+
+def test_json_is_written_through_a_synced_temporary_of_its_own(tmp_path, monkeypatch):
+    """Two writers never share a temporary file, and the data is on disk before the rename."""
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append(Path(a)), real_replace(a, b)))
+    write_json_atomic(tmp_path / "summary.json", {"a": 1})
+    write_json_atomic(tmp_path / "summary.json", {"a": 2})
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"a": 2}
+    assert len(synced) >= 4  # the file, then the directory, twice
+    assert len(set(renamed)) == 2 and all(p.name != "summary.json.tmp" for p in renamed)
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
