@@ -42,10 +42,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from normexp.norms import TokenLayout, functional, list_norms, norm_layer_factory  # noqa: E402
-from normexp.norms.functional import compiler_available  # noqa: E402
+from normexp.norms import TokenLayout, kernels, list_norms, norm_layer_factory  # noqa: E402
+from normexp.norms.kernels import compiler_available  # noqa: E402
 
-functional.COMPILE_AFTER_CALLS = 0  # the steady state of a long run: fused kernels from the first call
+kernels.COMPILE_AFTER_CALLS = 0  # the steady state of a long run: fused kernels from the first call
 
 SHAPES = {"vit_s": (384, 6), "vit_b": (768, 12)}  # (C, heads); grid 14x14 + 1 class token
 # (shape, max forward+backward time ratio to LN)

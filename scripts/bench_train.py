@@ -58,13 +58,13 @@ sys.path.insert(0, str(ROOT))
 from normexp.data.loaders import ClassificationData  # noqa: E402
 from normexp.engine.trainer import Trainer  # noqa: E402
 from normexp.models import build_backbone  # noqa: E402
-from normexp.norms import functional  # noqa: E402
+from normexp.norms import kernels  # noqa: E402
 from normexp.tracking.records import RunRecord  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_norms import cpu_name  # noqa: E402
 
-functional.COMPILE_AFTER_CALLS = 0  # the steady state of a long run: fused kernels from the first step
+kernels.COMPILE_AFTER_CALLS = 0  # the steady state of a long run: fused kernels from the first step
 
 # our backbone -> timm's model of the same architecture (with its own LayerNorm)
 TIMM_EQUIVALENT = {

@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normexp.norms import functional
+from normexp.norms import kernels
 from normexp.norms.batch import BatchNorm
 from normexp.norms.derf import Derf
-from normexp.norms.dyt import DyT, fast_tanh
+from normexp.norms.dyt import DyT
 from normexp.norms.group import GroupNorm
 from normexp.norms.instance import InstanceNorm
+from normexp.norms.kernels.dyt import fast_tanh
 from normexp.norms.scale import ScaleNorm
 
 C = 8
@@ -255,16 +256,16 @@ def test_derf(shape):
 
 def test_auto_kernels_compile_only_large_shapes_seen_often(monkeypatch):
     # a compile costs seconds per shape: "auto" fuses only large inputs, and only once a shape is common
-    monkeypatch.setattr(functional, "compiler_available", lambda device_type: True)
-    monkeypatch.setattr(functional, "_calls", collections.Counter())
-    monkeypatch.setattr(functional, "COMPILE_AFTER_CALLS", 3)
-    big = torch.empty(functional.COMPILE_MIN_NUMEL)
-    small = torch.empty(functional.COMPILE_MIN_NUMEL - 1)
-    modes = [functional.resolve_kernels("auto", big, "kind") for _ in range(5)]
+    monkeypatch.setattr(kernels, "compiler_available", lambda device_type: True)
+    monkeypatch.setattr(kernels, "_calls", collections.Counter())
+    monkeypatch.setattr(kernels, "COMPILE_AFTER_CALLS", 3)
+    big = torch.empty(kernels.COMPILE_MIN_NUMEL)
+    small = torch.empty(kernels.COMPILE_MIN_NUMEL - 1)
+    modes = [kernels.resolve_kernels("auto", big, "kind") for _ in range(5)]
     assert modes == ["autograd"] * 3 + ["compiled"] * 2
     # another kind, shape or grad mode counts from zero; small inputs and explicit modes never count
-    assert functional.resolve_kernels("auto", big, "other") == "autograd"
+    assert kernels.resolve_kernels("auto", big, "other") == "autograd"
     with torch.no_grad():
-        assert functional.resolve_kernels("auto", big, "kind") == "autograd"
-    assert all(functional.resolve_kernels("auto", small, "kind") == "autograd" for _ in range(5))
-    assert functional.resolve_kernels("eager", small, "kind") == "eager"
+        assert kernels.resolve_kernels("auto", big, "kind") == "autograd"
+    assert all(kernels.resolve_kernels("auto", small, "kind") == "autograd" for _ in range(5))
+    assert kernels.resolve_kernels("eager", small, "kind") == "eager"
