@@ -48,8 +48,8 @@ class _State:
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def run_app(cfg: DictConfig) -> float | None:
-    from .engine import distributed
-    from .engine.trainer import Interrupted
+    from . import distributed
+    from .errors import Interrupted
     from .run import run  # heavy imports after Hydra has parsed the command line (fast --help/--cfg)
 
     _State.task_started = True
@@ -208,7 +208,7 @@ def join_job() -> None:
     os.environ.setdefault("NORMEXP_RUN_STAMP", datetime.now().strftime("%Y-%m-%d/%H-%M-%S"))
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return
-    from .engine import distributed
+    from . import distributed
 
     cpu = any(arg in ("trainer.device=cpu", "++trainer.device=cpu") for arg in sys.argv[1:])
     world = distributed.init_distributed("cpu" if cpu else "auto")

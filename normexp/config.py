@@ -374,7 +374,7 @@ def _task_and_data(values: dict[str, Any]) -> Iterator[str]:
 
 
 def _batches(values: dict[str, Any]) -> Iterator[str]:
-    from .engine.distributed import launcher_env
+    from .distributed import launcher_env
     from .engine.trainer import accumulation_steps
 
     trainer, batch = values["trainer"], values["data"]["batch_size"]

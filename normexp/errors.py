@@ -1,4 +1,11 @@
-"""Errors that are the user's to fix: reported as one line, exit code 2, no traceback."""
+"""How a run ends other than by completing, as exceptions the layers above catch: a mistake of the user's
+(:class:`UserError`: one line, exit code 2), divergence (:class:`Diverged`: a result), a stop signal
+(:class:`Interrupted`: checkpointed, to be continued)."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
 
 
 class UserError(Exception):
@@ -12,3 +19,26 @@ def one_line(error: BaseException) -> str:
     if "Traceback" in text:
         text = text.splitlines()[-1].split(f"{type(error).__name__}: ", 1)[-1]
     return text.splitlines()[0] if text else type(error).__name__
+
+
+class Diverged(Exception):
+    """Training diverged: a non-finite loss, or one above ``trainer.max_loss``. A result, not a crash."""
+
+    def __init__(self, step: int, epoch: int, loss: float, metrics: dict[str, Any],
+                 last_finite: dict[str, Any] | None) -> None:
+        super().__init__(f"diverged at step {step} (epoch {epoch}): loss {loss:.4g}")
+        self.step, self.epoch, self.loss = step, epoch, loss
+        self.metrics = metrics  # the evaluations before divergence: {"final": ..., "best": ...}
+        self.last_finite = last_finite  # the last finite training loss, its step and epoch
+
+
+class Interrupted(BaseException):
+    """A stop signal arrived; the trainer checkpointed after the current update. Not an error of the run.
+
+    ``hand_over()``, once the record says so, gives the signal to the handler that was installed before
+    the trainer's (submitit's, which requeues the job)."""
+
+    def __init__(self, signum: int, step: int, hand_over: Any = None) -> None:
+        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved")
+        self.signum, self.step = signum, step
+        self.hand_over = hand_over or (lambda: None)

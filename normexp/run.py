@@ -30,11 +30,10 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig
 
+from . import distributed
 from .config import resolve, validate
-from .engine import distributed
 from .engine.checkpoint import checkpoint_file, load_checkpoint
-from .engine.trainer import Diverged, Interrupted
-from .errors import UserError, one_line
+from .errors import Diverged, Interrupted, UserError, one_line
 from .models import check_buildable
 from .tasks import get_task
 from .tracking import MIRRORS

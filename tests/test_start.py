@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import quick_cfg
 
-from normexp.engine.trainer import Interrupted, Trainer
-from normexp.errors import UserError
+from normexp.engine.trainer import Trainer
+from normexp.errors import Interrupted, UserError
 from normexp.run import run
 from normexp.tracking import lock as lock_module
 from normexp.tracking.lock import RunBusy, RunLock, read_owner

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..engine import distributed
+from .. import distributed
 from .samplers import ShardedSampler
 
 

@@ -3,6 +3,7 @@ summed over the processes of a distributed job."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -11,8 +12,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from . import distributed
+from .. import distributed
 from .precision import Precision
+
+
+def show_progress(setting: str | bool) -> bool:
+    """``trainer.progress``: ``auto`` shows progress bars only on a terminal."""
+    return sys.stderr.isatty() if setting == "auto" else bool(setting)
 
 
 @dataclass

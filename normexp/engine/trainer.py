@@ -28,7 +28,6 @@ import contextlib
 import logging
 import random
 import signal
-import sys
 import time
 from typing import Any
 
@@ -43,42 +42,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from .. import distributed
 from ..data.loaders import set_epoch
-from ..errors import UserError
+from ..errors import Diverged, Interrupted, UserError
 from ..tracking.provenance import config_hash
 from ..tracking.records import RunRecord
-from . import distributed
 from .checkpoint import checkpoint_file, load_checkpoint, load_model_state, save_checkpoint
-from .evaluate import classification_metrics, count_predictions
+from .evaluate import classification_metrics, count_predictions, show_progress
 from .precision import Precision, resolve_device
 
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = tuple(getattr(signal, s) for s in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
                      if hasattr(signal, s))
-
-
-class Diverged(Exception):
-    """Training diverged: a non-finite loss, or one above ``trainer.max_loss``. A result, not a crash."""
-
-    def __init__(self, step: int, epoch: int, loss: float, metrics: dict[str, Any],
-                 last_finite: dict[str, Any] | None) -> None:
-        super().__init__(f"diverged at step {step} (epoch {epoch}): loss {loss:.4g}")
-        self.step, self.epoch, self.loss = step, epoch, loss
-        self.metrics = metrics  # the evaluations before divergence: {"final": ..., "best": ...}
-        self.last_finite = last_finite  # the last finite training loss, its step and epoch
-
-
-class Interrupted(BaseException):
-    """A stop signal arrived; the trainer checkpointed after the current update. Not an error of the run.
-
-    ``hand_over()``, once the record says so, gives the signal to the handler that was installed before
-    the trainer's (submitit's, which requeues the job)."""
-
-    def __init__(self, signum: int, step: int, hand_over: Any = None) -> None:
-        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved")
-        self.signum, self.step = signum, step
-        self.hand_over = hand_over or (lambda: None)
 
 
 class StopSignals:
@@ -135,10 +111,6 @@ def accumulation_steps(global_batch: int | None, batch_size: int, world_size: in
         raise UserError(f"trainer.accum_steps={accum_steps} contradicts trainer.global_batch={global_batch} "
                         f"at {per_step} images per step (it needs {steps}): set only one of them")
     return steps
-
-
-def show_progress(setting: str | bool) -> bool:
-    return sys.stderr.isatty() if setting == "auto" else bool(setting)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -77,7 +77,8 @@ def relative_corruption_errors(means: Mapping[str, float], clean_error: float,
 
 
 def benchmark_mean(per_corruption: Mapping[str, float]) -> float:
-    """Mean over the 15 benchmark corruptions present (mCE from CEs; extras never count); NaN if none."""
+    """Mean over the 15 benchmark corruptions present (mCE from CEs; extras never count); NaN if none, or if
+    one is undefined (NaN: a normaliser error, or added error, that is not positive)."""
     values = [v for c, v in per_corruption.items() if c in CORRUPTIONS]
     return sum(values) / len(values) if values else math.nan
 

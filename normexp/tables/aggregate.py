@@ -18,7 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..metrics.robustness import CORRUPTIONS
+from ..metrics.robustness import (
+    CORRUPTIONS,
+    Normaliser,
+    benchmark_mean,
+    corruption_errors,
+    relative_corruption_errors,
+)
 from .plan import PlannedRun, TablePlan
 from .spec import Metric, Point, TableSpec, get_path
 
@@ -28,7 +34,8 @@ def _number(value: Any) -> float | None:
 
 
 # ---------------------------------------------------------------- metrics computed across two runs
-def _corruption_errors(summary: dict[str, Any]) -> tuple[dict[str, float], float | None] | None:
+def _robustness(summary: dict[str, Any]) -> tuple[dict[str, float], float | None] | None:
+    """A record's mean error per benchmark corruption and its clean error (%), if it has all of them."""
     results = get_path(summary, "metrics.robustness") or {}
     errors = {c: _number(results.get(f"err/{c}")) for c in CORRUPTIONS}
     if any(v is None for v in errors.values()):
@@ -36,21 +43,26 @@ def _corruption_errors(summary: dict[str, Any]) -> tuple[dict[str, float], float
     return errors, _number(results.get("clean_err"))  # type: ignore[return-value]
 
 
+def _defined(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
 def mce_vs_baseline(summary: dict[str, Any], baseline: dict[str, Any]) -> float | None:
     """mCE (%) with the baseline run's errors as the normaliser (Hendrycks & Dietterich 2019, Sec. 4)."""
-    own, ref = _corruption_errors(summary), _corruption_errors(baseline)
+    own, ref = _robustness(summary), _robustness(baseline)
     if own is None or ref is None:
         return None
-    return 100 * statistics.fmean(own[0][c] / ref[0][c] for c in CORRUPTIONS)
+    normaliser = Normaliser("baseline row", ref[0], ref[1])
+    return _defined(100 * benchmark_mean(corruption_errors(own[0], normaliser)))
 
 
 def relative_mce_vs_baseline(summary: dict[str, Any], baseline: dict[str, Any]) -> float | None:
     """Relative mCE (%): each corruption's error above the clean error, over the baseline's."""
-    own, ref = _corruption_errors(summary), _corruption_errors(baseline)
+    own, ref = _robustness(summary), _robustness(baseline)
     if own is None or ref is None or own[1] is None or ref[1] is None:
         return None
-    ratios = [(own[0][c] - own[1]) / (ref[0][c] - ref[1]) for c in CORRUPTIONS if ref[0][c] != ref[1]]
-    return 100 * statistics.fmean(ratios) if ratios else None
+    normaliser = Normaliser("baseline row", ref[0], ref[1])
+    return _defined(100 * benchmark_mean(relative_corruption_errors(own[0], own[1], normaliser)))
 
 
 DERIVED: dict[str, Callable[[dict[str, Any], dict[str, Any]], float | None]] = {

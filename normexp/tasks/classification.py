@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .. import distributed
 from ..data import build_classification_data
-from ..engine import distributed
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..models import build_backbone

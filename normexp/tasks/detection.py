@@ -17,9 +17,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from tqdm import tqdm
 
-from .. import CONFIG_DIR
+from .. import CONFIG_DIR, distributed
 from ..data.coco import DetectionData, build_detection_data
-from ..engine import distributed
 from ..engine.checkpoint import checkpoint_run_config, load_checkpoint
 from ..engine.trainer import Trainer
 from ..errors import UserError

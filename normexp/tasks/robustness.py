@@ -22,13 +22,12 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
+from .. import distributed
 from ..data.corruptions import CorruptionSuite, build_corruption_suite
 from ..data.loaders import default_cache_dir, make_loader
-from ..engine import distributed
 from ..engine.checkpoint import checkpoint_run_config, load_checkpoint, load_model_state
-from ..engine.evaluate import count_predictions
+from ..engine.evaluate import count_predictions, show_progress
 from ..engine.precision import Precision, resolve_device
-from ..engine.trainer import show_progress
 from ..errors import UserError
 from ..metrics.robustness import (
     ALEXNET,

@@ -89,6 +89,26 @@ def test_reference_run_normalisation_and_group_means_by_hand():
     assert relative_corruption_errors(means, 0.1, Normaliser("no clean", {"gaussian_noise": 0.5})) == {}
 
 
+def test_table_mce_against_its_baseline_row_is_the_tasks_with_that_reference():
+    # one definition of CE and its undefined ratios: the tables' derived columns call the task's metrics
+    from normexp.tables.aggregate import mce_vs_baseline, relative_mce_vs_baseline
+
+    own = {c: 30.0 + i for i, c in enumerate(CORRUPTIONS)}
+    ref = {c: 40.0 + 2 * i for i, c in enumerate(CORRUPTIONS)}
+
+    def summary(errors: dict, clean: float) -> dict:
+        return {"metrics": {"robustness": {"clean_err": clean, **{f"err/{c}": e for c, e in errors.items()}}}}
+
+    reference = Normaliser("baseline row", ref, 20.0)
+    expected = 100 * benchmark_mean(corruption_errors(own, reference))
+    assert mce_vs_baseline(summary(own, 10.0), summary(ref, 20.0)) == pytest.approx(expected)
+    relative = 100 * benchmark_mean(relative_corruption_errors(own, 10.0, reference))
+    assert relative_mce_vs_baseline(summary(own, 10.0), summary(ref, 20.0)) == pytest.approx(relative)
+    # a corruption that adds no error to the baseline leaves the relative mCE undefined, as in the task
+    assert relative_mce_vs_baseline(summary(own, 10.0), summary({**ref, "fog": 20.0}, 20.0)) is None
+    assert mce_vs_baseline(summary(own, 10.0), summary({**ref, "fog": 20.0}, 20.0)) is not None
+
+
 def test_record_metrics_are_percent_and_say_what_normalises():
     table = {"gaussian_noise": {1: 0.2, 2: 0.3, 3: 0.4, 4: 0.5, 5: 0.6},
              "fog": dict.fromkeys(range(1, 6), 0.1)}

@@ -1,5 +1,6 @@
 """torch.distributed for every task: set up from torchrun's or SLURM's environment, and the few collectives
-the engine needs. One process (no launcher) is world size 1, and every helper here then does nothing.
+the loops and the loaders need (a bottom layer: data, engine and tasks all use it). One process (no
+launcher) is world size 1, and every helper here then does nothing.
 
 - torchrun (``torchrun --nproc_per_node=N -m normexp ...``, multi-node too) sets RANK, WORLD_SIZE,
   LOCAL_RANK, MASTER_ADDR and MASTER_PORT;

@@ -1,0 +1,81 @@
+"""The package's layers: every import inside normexp points down (or stays inside its own unit), so each
+layer can be read, tested and replaced without the ones above it. The README's Layout section draws them."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+
+from conftest import ROOT
+
+# bottom first; a unit is a top-level module or subpackage of normexp
+LAYERS = [
+    {"__init__", "errors", "distributed", "plotting"},
+    {"tracking", "metrics", "norms"},
+    {"models", "data"},
+    {"engine"},
+    {"tasks"},
+    {"config"},
+    {"run", "tables"},
+    {"compare", "dashboard", "sync", "analysis"},
+    {"__main__"},
+]
+LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}
+
+
+def unit_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(path, module: str) -> set[str]:
+    """The normexp modules ``path`` imports, at module level or inside functions."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                names = [f"{target}.{a.name}" for a in node.names] if not node.module else [target]
+            else:
+                names = [node.module or ""]
+            found.update(n for n in names if n.startswith("normexp"))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("normexp"))
+    return found
+
+
+def upward_imports(root=ROOT) -> list[str]:
+    """Every import of the normexp tree under ``root`` that points to its own layer or one above."""
+    bad = []
+    for path in sorted((root / "normexp").rglob("*.py")):
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        source = unit_of(module)
+        for target in imports(path, module):
+            unit = unit_of(target)
+            if target == "normexp":
+                unit = "__init__"
+            if unit != source and LEVEL.get(unit, -1) >= LEVEL[source]:
+                bad.append(f"{module} -> {target} ({source}, layer {LEVEL[source]} -> {unit}, layer "
+                           f"{LEVEL.get(unit)})")
+    return bad
+
+
+def test_every_unit_has_a_layer():
+    units = {unit_of(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))
+             for p in (ROOT / "normexp").rglob("*.py")}
+    assert units <= set(LEVEL), sorted(units - set(LEVEL))
+
+
+def test_imports_point_down():
+    assert upward_imports() == []
+
+
+def test_an_upward_import_is_found(tmp_path):
+    # the check itself, on a copy of the tree whose data layer imports the trainer
+    shutil.copytree(ROOT / "normexp", tmp_path / "normexp", ignore=shutil.ignore_patterns("__pycache__"))
+    with (tmp_path / "normexp" / "data" / "loaders.py").open("a") as f:
+        f.write("\nfrom ..engine import trainer\n")
+    assert upward_imports(tmp_path) == [
+        "normexp.data.loaders -> normexp.engine (data, layer 2 -> engine, layer 3)"]
