@@ -20,6 +20,14 @@ For input tokens x (T x C) with H heads (head h owns channels [h*d, (h+1)*d), d 
 Parameters beyond LN's gamma/beta: 2H mixing logits, ``pos_proj = nn.Linear(3, H)`` (3H weight + H bias),
 i.e. exactly 6H (5H with ``only_var``). No running statistics, no batch dependence.
 
+``pos_init`` says how ``pos_proj`` starts. ``"random"`` (the default) is what the released code trains:
+its module applies the ConViT-style local init (``local_init``: each of the first k*k heads peaks at one
+neighbour offset, the paper's ``a^h = [-1, 2 Delta^h_1, 2 Delta^h_2]``), but its models then re-initialise
+every ``nn.Linear`` with trunc-normal(std 0.02) and zero bias -- ``pos_proj`` included -- after building
+their blocks (``models/vit_norm_mix.py`` ``VisionTransformer.__init__``, ``models/pvt_norm.py``
+``_init_weights``), so every head starts from a nearly uniform P. ``"local"`` keeps the local init (scaled
+by ``locality_strength``), as the module does on its own.
+
 Choices this implementation makes (the official code only handles a 14x14 grid without a class token):
 
 * Grids larger than ``pool_size`` in a dimension are average-pooled to ``min(size, pool_size)`` in that
@@ -74,6 +82,8 @@ from torch.autograd.function import once_differentiable
 from .functional import RECOMPUTE, Kernels, check_data_format, check_kernels, resolve_kernels
 from .layout import TokenLayout
 from .registry import register_norm
+
+POS_INITS = ("random", "local")  # how pos_proj starts: the official models' effective init, or the module's
 
 # ----------------------------------------------------------------------------- kernels
 # Plain torch ops on whole tensors, used three ways (see ``DTN.kernels``): called directly, with autograd
@@ -345,7 +355,7 @@ class DTN(nn.Module):
         pool_size: int | None = 14,
         locality_strength: float = 1.0,
         only_var: bool = False,
-        local_init: bool = True,
+        pos_init: str = "random",
         separable: bool = True,
         num_prefix_tokens: int | None = None,
         kernels: str = "auto",
@@ -358,6 +368,8 @@ class DTN(nn.Module):
             raise ValueError(f"DTN: num_heads={num_heads} must divide dim={dim} (channels split per head)")
         if pool_size is not None and pool_size < 1:
             raise ValueError(f"DTN: pool_size must be a positive int or None, got {pool_size}")
+        if pos_init not in POS_INITS:
+            raise ValueError(f"DTN: pos_init must be one of {', '.join(POS_INITS)}, got {pos_init!r}")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.layout = layout  # shared, mutable, not a submodule (see layout.py)
         self.num_prefix_tokens = num_prefix_tokens
@@ -375,7 +387,7 @@ class DTN(nn.Module):
         self.pos_proj = nn.Linear(3, num_heads)
         nn.init.trunc_normal_(self.pos_proj.weight, std=0.02)
         nn.init.zeros_(self.pos_proj.bias)
-        if local_init:
+        if pos_init == "local":
             self.local_init(locality_strength)
 
         # relative offsets of the last grid seen; non-persistent so state_dicts match the official ones
