@@ -73,7 +73,7 @@ def test_dtn_pvt_recipe_values():
     """wqshao126/DTN models/pvt_norm.py + train.py on top of dtn_imagenet."""
     cfg = compose_cfg("experiment=dtn_pvt_imagenet", "backbone=pvt_tiny")
     b = cfg.backbone
-    assert (list(b.num_heads), b.dtn_stages, b.decay_pos_embed) == ([4, 4, 5, 8], 3, True)
+    assert (list(b.num_heads), b.dtn_stages) == ([4, 4, 5, 8], 3)
     assert b.drop_path_rate == 0.1 and cfg.trainer.global_batch == 1024
     assert (cfg.data.crop_pct, cfg.norm.name, cfg.norm.pool_size) == (0.9, "dtn", 14)
     assert build_backbone(b, cfg.norm).no_weight_decay() == {"cls_token"}  # pos_embed{s} decay
