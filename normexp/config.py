@@ -46,6 +46,7 @@ class EmaSchema:
     enabled: bool = False
     decay: float = _f(0.99996, **rng(0, 1))
     warmup: bool = False
+    reported: bool = False
 
 
 @dataclass
@@ -62,6 +63,10 @@ class TrainerSchema:
     opt_eps: float = _f(1e-8, above=0)
     betas: list[float] = _f([0.9, 0.999])
     sched: str = _f("cosine", choices=["cosine", "multistep", "step", "plateau", "poly", "tanh"])
+    sched_on: str = _f("update", choices=["update", "epoch"])
+    sched_lag: int = _f(0, **rng(0, 1))
+    warmup_prefix: bool = False
+    cooldown_epochs: int = _f(0, **rng(0))
     decay_milestones: list[int] | None = None
     decay_rate: float = _f(0.1, above=0)
     warmup_epochs: float = _f(3, **rng(0))
@@ -83,7 +88,7 @@ class TrainerSchema:
     progress: Any = _f("auto", choices=["auto", True, False])
     accum_steps: int = _f(1, **rng(1))
     global_batch: int | None = _f(None, **rng(1))
-    sync_bn: bool = True
+    sync_bn: bool = False
     find_unused_parameters: bool = False
     compile: bool = False
     channels_last: bool = False
@@ -118,6 +123,7 @@ class ImageNetSchema(LoaderFields):
     auto_augment: str | None = None
     color_jitter: float | None = _f(0.3, **rng(0))
     interpolation: str = "bicubic"
+    train_interpolation: str | None = None
     reprob: float = _f(0.25, **rng(0, 1))
     remode: str = _f("pixel", choices=["pixel", "rand", "const"])
     recount: int = _f(1, **rng(1))
@@ -218,6 +224,21 @@ def _check_ranges(schema: type, values: DictConfig, where: str) -> None:
             raise UserError(f"{shown}: must be > {check['above']}")
 
 
+def _check_trainer(t: DictConfig) -> None:
+    """What one field cannot say alone: settings of the trainer that depend on each other."""
+    if t.ema.reported and not t.ema.enabled:
+        raise UserError("trainer.ema.reported=true needs trainer.ema.enabled=true (the reported weights are "
+                        "the EMA's)")
+    if t.sched_on == "epoch" and t.warmup_iters:
+        raise UserError(f"trainer.warmup_iters={t.warmup_iters} needs trainer.sched_on=update (with "
+                        "sched_on=epoch the lr changes once per epoch: use trainer.warmup_epochs)")
+    schedule = t.epochs - t.cooldown_epochs - (t.warmup_epochs if t.warmup_prefix else 0)
+    if schedule <= 0:
+        raise UserError(f"trainer.epochs={t.epochs} leaves no epochs for the schedule after "
+                        f"cooldown_epochs={t.cooldown_epochs}"
+                        + (f" and the warm-up prefix ({t.warmup_epochs} epochs)" if t.warmup_prefix else ""))
+
+
 def validate(cfg: DictConfig) -> None:
     """Refuse a config that does not fit the schema, in one line naming the key and what is allowed."""
     try:
@@ -227,6 +248,7 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"config key {key} cannot be resolved: {str(e).strip().splitlines()[0]}") from None
     run = _merge(RunSchema, values, "")
     _check_ranges(RunSchema, run, "")
+    _check_trainer(run.trainer)
     data_schema = DATA_SCHEMAS.get(values.get("data", {}).get("name"))
     if data_schema is not None:
         data = _merge(data_schema, values["data"], "data")
