@@ -155,8 +155,13 @@ def test_each_recipe_runs_its_codes_loop(recipe):
 def test_t2t_data_as_its_code_resolves_it():
     """T2T-ViT main.py: --train-interpolation random; evaluation from models/t2t_vit.py's default_cfg
     (crop_pct 0.9, bicubic)."""
+    from normexp.data.transforms import build_transforms
+
     d = compose_cfg("experiment=t2t_imagenet").data
     assert (d.train_interpolation, d.interpolation, d.crop_pct) == ("random", "bicubic", 0.9)
+    crop = build_transforms(d, is_training=True).transforms[0]
+    assert [str(m) for m in crop.interpolation] == ["InterpolationMode.BILINEAR", "InterpolationMode.BICUBIC"]
+    assert build_transforms(d, is_training=False).transforms[0].size == 248  # 224 / 0.9
     assert compose_cfg("experiment=deit_imagenet").data.train_interpolation is None  # = interpolation
 
 
