@@ -152,6 +152,22 @@ def test_each_recipe_runs_its_codes_loop(recipe):
     assert not t.sync_bn  # BatchNorm with per-GPU statistics: none of these codes passes --sync-bn
 
 
+# gradient clipping of each recipe's code (None: none); the demo clips at 1.0 (trainer/default.yaml)
+RECIPE_CLIP = {
+    "deit_imagenet": None, "dtn_imagenet": None, "dtn_pvt_imagenet": None,  # --clip-grad default None
+    "pvt_imagenet": None,  # classification/configs/pvt/pvt_small.py: clip_grad None (medium/large: 1.0)
+    "levit_imagenet": 0.01, "swin_imagenet": 5.0, "t2t_imagenet": None, "dyt_imagenet": None,
+    "retinanet_pvt_1x": None, "mask_rcnn_pvt_1x": None, "mask_rcnn_swin_1x": None,  # grad_clip=None
+}
+
+
+def test_only_the_recipes_that_clip_gradients_clip_them():
+    assert set(RECIPE_CLIP) == set(options("experiment"))
+    for recipe, clip in RECIPE_CLIP.items():
+        assert compose_cfg(f"experiment={recipe}").trainer.clip_grad == clip, recipe
+    assert compose_cfg().trainer.clip_grad == 1.0 and compose_cfg("task=detection").trainer.clip_grad is None
+
+
 def test_t2t_data_as_its_code_resolves_it():
     """T2T-ViT main.py: --train-interpolation random; evaluation from models/t2t_vit.py's default_cfg
     (crop_pct 0.9, bicubic)."""
