@@ -88,6 +88,7 @@ class EmaSchema:
     enabled: bool = False
     decay: float = _f(0.99996, **rng(0, 1))
     warmup: bool = False
+    reported: bool = False
 
 
 @dataclass
@@ -104,6 +105,10 @@ class TrainerSchema:
     opt_eps: float = _f(1e-8, above=0)
     betas: list[float] = _f([0.9, 0.999], length=2, items=rng(0, below=1))
     sched: str = _f("cosine", choices=["cosine", "multistep", "step", "plateau", "poly", "tanh"])
+    sched_on: str = _f("update", choices=["update", "epoch"])
+    sched_lag: int = _f(0, **rng(0, 1))
+    warmup_prefix: bool = False
+    cooldown_epochs: int = _f(0, **rng(0))
     decay_milestones: list[int] | None = _f(None, items=rng(0))
     decay_rate: float = _f(0.1, above=0)
     warmup_epochs: float = _f(3, **rng(0))
@@ -125,7 +130,7 @@ class TrainerSchema:
     progress: Any = _f("auto", choices=["auto", True, False])
     accum_steps: int = _f(1, **rng(1))
     global_batch: int | None = _f(None, **rng(1))
-    sync_bn: bool = True
+    sync_bn: bool = False
     find_unused_parameters: bool = False
     compile: bool = False
     channels_last: bool = False
@@ -160,6 +165,7 @@ class ImageNetSchema(LoaderFields):
     auto_augment: str | None = None
     color_jitter: float | None = _f(0.3, **rng(0))
     interpolation: str = "bicubic"
+    train_interpolation: str | None = None
     reprob: float = _f(0.25, **rng(0, 1))
     remode: str = _f("pixel", choices=["pixel", "rand", "const"])
     recount: int = _f(1, **rng(1))
@@ -358,6 +364,20 @@ def _get(tree: dict[str, Any], path: str) -> Any:
     return tree
 
 
+def _trainer(values: dict[str, Any]) -> Iterator[str]:
+    t = values["trainer"]
+    if t["ema"]["reported"] and not t["ema"]["enabled"]:
+        yield "trainer.ema.reported=true needs trainer.ema.enabled=true (the reported weights are the EMA's)"
+    if t["sched_on"] == "epoch" and t["warmup_iters"]:
+        yield (f"trainer.warmup_iters={t['warmup_iters']} needs trainer.sched_on=update (with sched_on=epoch "
+               "the lr changes once per epoch: use trainer.warmup_epochs)")
+    warmup = t["warmup_epochs"] if t["warmup_prefix"] else 0
+    if t["epochs"] - t["cooldown_epochs"] - warmup <= 0:
+        yield (f"trainer.epochs={t['epochs']} leaves no epochs for the schedule after "
+               f"cooldown_epochs={t['cooldown_epochs']}"
+               + (f" and the warm-up prefix ({t['warmup_epochs']} epochs)" if t["warmup_prefix"] else ""))
+
+
 def _task_and_data(values: dict[str, Any]) -> Iterator[str]:
     from .tasks import get_task
 
@@ -415,8 +435,8 @@ def _loggers(values: dict[str, Any]) -> Iterator[str]:
         yield f"unknown logger(s) {unknown}; use logger=wandb, mlflow, none or a list of them"
 
 
-CROSS_CHECKS: tuple[Callable[[dict[str, Any]], Iterator[str]], ...] = (_task_and_data, _batches, _input_size,
-                                                                       _loggers)
+CROSS_CHECKS: tuple[Callable[[dict[str, Any]], Iterator[str]], ...] = (_trainer, _task_and_data, _batches,
+                                                                       _input_size, _loggers)
 
 
 # ---------------------------------------------------------------- what the machine must provide

@@ -73,7 +73,7 @@ def test_dtn_pvt_recipe_values():
     """wqshao126/DTN models/pvt_norm.py + train.py on top of dtn_imagenet."""
     cfg = compose_cfg("experiment=dtn_pvt_imagenet", "backbone=pvt_tiny")
     b = cfg.backbone
-    assert (list(b.num_heads), b.dtn_stages, b.decay_pos_embed) == ([4, 4, 5, 8], 3, True)
+    assert (list(b.num_heads), b.dtn_stages) == ([4, 4, 5, 8], 3)
     assert b.drop_path_rate == 0.1 and cfg.trainer.global_batch == 1024
     assert (cfg.data.crop_pct, cfg.norm.name, cfg.norm.pool_size) == (0.9, "dtn", 14)
     assert build_backbone(b, cfg.norm).no_weight_decay() == {"cls_token"}  # pos_embed{s} decay
@@ -119,6 +119,77 @@ def test_every_recipe_states_its_global_batch():
         assert cfg.trainer.global_batch == batch, recipe
         assert cfg.data.get("aug_repeats") == repeats, recipe
     assert compose_cfg().trainer.global_batch is None and compose_cfg("data=imagenet").data.aug_repeats == 0
+
+
+# How each recipe's code runs its loop: the lr stepped per update or per epoch and with which index
+# (sched_on, sched_lag), the cosine after the warm-up or over it (warmup_prefix), cool-down epochs, epochs in
+# all, whether the reported top-1 is the EMA model's, and the precision.
+RECIPE_LOOP = {
+    # facebookresearch/deit main.py: lr_scheduler.step(epoch) after each epoch; evaluate(model); AMP autocast
+    "deit_imagenet": ("epoch", 1, False, 0, 300, False, "bf16"),
+    # wqshao126/DTN train.py (timm's train.py): step(epoch + 1); validates model_ema; amp off in its configs
+    "dtn_imagenet": ("epoch", 0, False, 0, 300, True, None),
+    "dtn_pvt_imagenet": ("epoch", 0, False, 0, 300, True, None),
+    # whai362/PVT classification/main.py (DeiT's): step(epoch); no EMA
+    "pvt_imagenet": ("epoch", 1, False, 0, 300, False, "bf16"),
+    # facebookresearch/LeViT main.py: step(epoch); evaluate(model); engine.py trains in float32
+    "levit_imagenet": ("epoch", 1, False, 0, 1000, False, None),
+    # yitu-opensource/T2T-ViT main.py (timm's train.py): step(epoch + 1), the num_epochs create_scheduler
+    # returns (300 + 10 cool-down), validates model_ema; README: --amp
+    "t2t_imagenet": ("epoch", 0, False, 10, 310, True, "bf16"),
+    # microsoft/Swin-Transformer lr_scheduler.py as released with the paper: per step, t_initial = all steps
+    "swin_imagenet": ("update", 0, False, 0, 300, False, "bf16"),
+    # jiachenzhu/DyT = facebookresearch/ConvNeXt utils.cosine_scheduler: per iteration, cosine after warm-up
+    "dyt_imagenet": ("update", 0, True, 0, 300, True, None),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_LOOP))
+def test_each_recipe_runs_its_codes_loop(recipe):
+    t = compose_cfg(f"experiment={recipe}").trainer
+    assert (t.sched_on, t.sched_lag, t.warmup_prefix, t.cooldown_epochs, t.epochs, t.ema.reported, t.amp) \
+        == RECIPE_LOOP[recipe]
+    assert not t.sync_bn  # BatchNorm with per-GPU statistics: none of these codes passes --sync-bn
+
+
+# gradient clipping of each recipe's code (None: none); the demo clips at 1.0 (trainer/default.yaml)
+RECIPE_CLIP = {
+    "deit_imagenet": None, "dtn_imagenet": None, "dtn_pvt_imagenet": None,  # --clip-grad default None
+    "pvt_imagenet": None,  # classification/configs/pvt/pvt_small.py: clip_grad None (medium/large: 1.0)
+    "levit_imagenet": 0.01, "swin_imagenet": 5.0, "t2t_imagenet": None, "dyt_imagenet": None,
+    "retinanet_pvt_1x": None, "mask_rcnn_pvt_1x": None, "mask_rcnn_swin_1x": None,  # grad_clip=None
+}
+
+
+def test_only_the_recipes_that_clip_gradients_clip_them():
+    assert set(RECIPE_CLIP) == set(options("experiment"))
+    for recipe, clip in RECIPE_CLIP.items():
+        assert compose_cfg(f"experiment={recipe}").trainer.clip_grad == clip, recipe
+    assert compose_cfg().trainer.clip_grad == 1.0 and compose_cfg("task=detection").trainer.clip_grad is None
+
+
+def test_t2t_data_as_its_code_resolves_it():
+    """T2T-ViT main.py: --train-interpolation random; evaluation from models/t2t_vit.py's default_cfg
+    (crop_pct 0.9, bicubic)."""
+    from normexp.data.transforms import build_transforms
+
+    d = compose_cfg("experiment=t2t_imagenet").data
+    assert (d.train_interpolation, d.interpolation, d.crop_pct) == ("random", "bicubic", 0.9)
+    crop = build_transforms(d, is_training=True).transforms[0]
+    assert [str(m) for m in crop.interpolation] == ["InterpolationMode.BILINEAR", "InterpolationMode.BICUBIC"]
+    assert build_transforms(d, is_training=False).transforms[0].size == 248  # 224 / 0.9
+    assert compose_cfg("experiment=deit_imagenet").data.train_interpolation is None  # = interpolation
+
+
+def test_loop_settings_that_contradict_each_other_are_one_line():
+    from normexp.config import validate
+    from normexp.errors import UserError
+
+    for overrides, message in [(["trainer.ema.reported=true"], "needs trainer.ema.enabled=true"),
+                               (["trainer.sched_on=epoch", "trainer.warmup_iters=10"], "sched_on=update"),
+                               (["trainer.epochs=5", "trainer.cooldown_epochs=5"], "no epochs")]:
+        with pytest.raises(UserError, match=message):
+            validate(compose_cfg(*overrides))
 
 
 def test_deit_based_recipes_scale_only_the_peak_lr():

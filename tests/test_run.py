@@ -16,7 +16,7 @@ from normexp.tracking.records import read_metrics, read_summary
 
 
 def test_run_record_holds_config_metrics_summary_and_checkpoint(run_dir):
-    cfg = quick_cfg(epochs=2)
+    cfg = quick_cfg("trainer.ema.enabled=true", "trainer.ema.reported=true", epochs=2)
     summary = run(cfg, run_dir)
     assert yaml.safe_load((run_dir / "config.yaml").read_text()) == OmegaConf.to_container(cfg, resolve=True)
     rows = read_metrics(run_dir)
@@ -27,7 +27,11 @@ def test_run_record_holds_config_metrics_summary_and_checkpoint(run_dir):
     assert on_disk == json.loads(json.dumps(summary))
     assert on_disk["status"] == "completed" and on_disk["seed"] == 0
     assert on_disk["params"] == 679_786 and on_disk["gmacs"] > 0 and on_disk["images_per_s"] > 0
-    assert set(on_disk["metrics"]) == {"final", "best"} and on_disk["metrics"]["final"]["epoch"] == 2
+    final = on_disk["metrics"]["final"]
+    assert set(on_disk["metrics"]) == {"final", "best", "reported"} and final["epoch"] == 2
+    # the reported metrics: the EMA model's, which this run's recipe says its paper reports
+    assert on_disk["metrics"]["reported"] == {"weights": "ema", "epoch": 2, "top1": final["ema/val/top1"],
+                                              "top5": final["ema/val/top5"], "loss": final["ema/val/loss"]}
     assert on_disk["versions"]["torch"] and "commit" in on_disk["git"] and len(on_disk["run_id"]) == 16
     assert (run_dir / "checkpoint.pth").is_file() and not list(run_dir.glob("*.tmp"))
 

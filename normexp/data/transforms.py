@@ -34,7 +34,8 @@ def build_transforms(cfg: Any, is_training: bool) -> Any:
     if is_training:
         return create_transform(
             input_size=cfg.img_size, is_training=True, auto_augment=cfg.auto_augment,
-            color_jitter=cfg.color_jitter, interpolation=cfg.interpolation, re_prob=cfg.reprob,
+            color_jitter=cfg.color_jitter, interpolation=cfg.get("train_interpolation") or cfg.interpolation,
+            re_prob=cfg.reprob,
             re_mode=cfg.remode, re_count=cfg.recount, mean=tuple(cfg.mean), std=tuple(cfg.std),
         )
     return create_transform(

@@ -89,3 +89,16 @@ def checkpoint_run_config(source: str | Path) -> dict[str, Any] | None:
         return yaml.safe_load((path / "config.yaml").read_text())
     state = load_checkpoint(path)
     return state.get("config") if isinstance(state, dict) else None
+
+
+def reported_weights(state: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The weights a training checkpoint's run reports, and which they are: its EMA model's (``"ema"``) when
+    the run's recipe reports the EMA (``trainer.ema.reported``), else the trained model's (``"raw"``). A bare
+    state_dict is the trained model's."""
+    if "model" not in state:
+        return state, "raw"
+    config = state.get("config") or {}
+    reported = ((config.get("trainer") or {}).get("ema") or {}).get("reported")
+    if reported and state.get("ema") is not None:
+        return state["ema"], "ema"
+    return state["model"], "raw"

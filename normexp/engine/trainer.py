@@ -1,11 +1,12 @@
 """The one training loop (DeiT/timm style): fit = train_one_epoch + evaluate, for one process or many.
 
 Uses timm's utilities rather than re-writing them: optimizer factory (no weight decay on 1-D params,
-biases and the model's ``no_weight_decay()`` names), per-iteration cosine schedule with linear warm-up,
-Mixup/CutMix, label smoothing, model EMA, gradient clipping.
+biases and the model's ``no_weight_decay()`` names), cosine or multi-step schedule with linear warm-up
+(stepped per update or per epoch, as each recipe's code does), Mixup/CutMix, label smoothing, model EMA,
+gradient clipping.
 
-Distributed (torchrun / SLURM, see ``distributed.py``): the model is wrapped in DDP (BatchNorm layers become
-SyncBatchNorm first, ``trainer.sync_bn``), every process trains on its shard of each global batch, and only
+Distributed (torchrun / SLURM, see ``distributed.py``): the model is wrapped in DDP (with ``trainer.sync_bn``,
+BatchNorm layers become SyncBatchNorm first), every process trains on its shard of each global batch, and only
 process 0 writes the run record, checkpoints and loggers. The global batch is ``data.batch_size`` x processes
 x ``trainer.accum_steps`` (or, when the recipe states ``trainer.global_batch``, the accumulation that
 reaches it), and the learning-rate rule scales by it.
@@ -188,16 +189,7 @@ class Trainer:
             params, opt=cfg.opt, lr=self.scaled_lr(cfg.lr), weight_decay=cfg.weight_decay,
             eps=cfg.opt_eps, betas=tuple(cfg.betas),
         )
-        warmup_epochs = cfg.warmup_iters / self.updates_per_epoch if cfg.warmup_iters else cfg.warmup_epochs
-        milestones = {"decay_milestones": tuple(cfg.decay_milestones)} if cfg.decay_milestones else {}
-        scale_ends = cfg.get("lr_scale_warmup_min", True)
-        self.scheduler, _ = create_scheduler_v2(
-            self.optimizer, sched=cfg.sched, num_epochs=cfg.epochs, warmup_epochs=warmup_epochs,
-            warmup_lr=self.scaled_lr(cfg.warmup_lr) if scale_ends else cfg.warmup_lr,
-            min_lr=self.scaled_lr(cfg.min_lr) if scale_ends else cfg.min_lr,
-            decay_rate=cfg.decay_rate, step_on_epochs=False, updates_per_epoch=self.updates_per_epoch,
-            **milestones,
-        )
+        self.scheduler = self.build_scheduler()
         self.mixup = Mixup(
             mixup_alpha=cfg.mixup.mixup_alpha, cutmix_alpha=cfg.mixup.cutmix_alpha, prob=cfg.mixup.prob,
             switch_prob=cfg.mixup.switch_prob, mode=cfg.mixup.mode, label_smoothing=cfg.smoothing,
@@ -229,6 +221,34 @@ class Trainer:
         return accumulation_steps(self.cfg.get("global_batch"), self.data.train.batch_size,
                                   self.dist.world_size, self.cfg.accum_steps)
 
+    def build_scheduler(self) -> Any:
+        """timm's scheduler over ``epochs``: the warm-up inside them (timm, DeiT) or before the decay
+        (``warmup_prefix``), the last ``cooldown_epochs`` at ``min_lr``; stepped per update or per epoch
+        (``sched_on``, see :meth:`step_epoch_schedule`)."""
+        cfg = self.cfg
+        warmup_epochs = cfg.warmup_iters / self.updates_per_epoch if cfg.warmup_iters else cfg.warmup_epochs
+        # timm's num_epochs excludes a warm-up prefix and the cool-down: what is left for the decay
+        decay_epochs = cfg.epochs - cfg.cooldown_epochs - (warmup_epochs if cfg.warmup_prefix else 0)
+        milestones = {"decay_milestones": tuple(cfg.decay_milestones)} if cfg.decay_milestones else {}
+        scale_ends = cfg.get("lr_scale_warmup_min", True)
+        scheduler, _ = create_scheduler_v2(
+            self.optimizer, sched=cfg.sched, num_epochs=decay_epochs, warmup_epochs=warmup_epochs,
+            warmup_prefix=cfg.warmup_prefix,
+            warmup_lr=self.scaled_lr(cfg.warmup_lr) if scale_ends else cfg.warmup_lr,
+            min_lr=self.scaled_lr(cfg.min_lr) if scale_ends else cfg.min_lr,
+            decay_rate=cfg.decay_rate, step_on_epochs=cfg.sched_on == "epoch",
+            updates_per_epoch=self.updates_per_epoch, **milestones,
+        )
+        return scheduler
+
+    def step_epoch_schedule(self, epoch: int) -> None:
+        """``sched_on=epoch``: one lr for the whole epoch, the schedule's value for ``epoch - sched_lag``
+        (clamped at 0, the scheduler's initial value). timm's train.py (DTN, T2T-ViT) steps the scheduler
+        with the next epoch's index after each epoch (lag 0); DeiT's main.py (DeiT, PVT, LeViT) with the
+        index of the epoch just finished, so each epoch trains at the previous one's value (lag 1)."""
+        if self.cfg.sched_on == "epoch":
+            self.scheduler.step(max(epoch - self.cfg.sched_lag, 0))
+
     def scaled_lr(self, lr: float) -> float:
         """DeiT's linear rule: ``lr * global_batch / lr_base_size`` (``lr_base_size: null`` = absolute)."""
         base = self.cfg.lr_base_size
@@ -244,6 +264,7 @@ class Trainer:
         with self.stop:
             while self.epoch < self.cfg.epochs:
                 epoch = self.epoch
+                self.step_epoch_schedule(epoch)
                 train_stats = self.train_one_epoch(epoch)
                 row = {"epoch": epoch + 1, "step": self.update, **train_stats}
                 if (epoch + 1) % self.cfg.eval_interval == 0 or epoch + 1 == self.cfg.epochs:
@@ -255,7 +276,7 @@ class Trainer:
                     best = self.metrics["best"]
                     if not best or final[self.cfg.best_metric] > best[self.cfg.best_metric]:
                         best = dict(final)
-                    self.metrics = {"final": final, "best": best}
+                    self.metrics = {"final": final, "best": best, "reported": self.reported(final)}
                     log.info("epoch %d/%d  %s", epoch + 1, self.cfg.epochs,
                              "  ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
                 self.record.log(row)
@@ -323,9 +344,18 @@ class Trainer:
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.update += 1
-        self.scheduler.step_update(self.update)
+        if self.cfg.sched_on == "update":
+            self.scheduler.step_update(self.update)
         if self.ema is not None:
             self.ema.update(self.module, step=self.update - 1)
+
+    def reported(self, final: dict[str, Any]) -> dict[str, Any]:
+        """The final evaluation of the weights the recipe's paper reports (``trainer.ema.reported``: the EMA
+        model's, else the trained model's), under plain names: ``{"weights": "ema", "top1": ...}``."""
+        weights = "ema" if self.cfg.ema.reported else "raw"
+        prefix = "ema/val/" if weights == "ema" else "val/"
+        return {"weights": weights, "epoch": final["epoch"],
+                **{k[len(prefix):]: v for k, v in final.items() if k.startswith(prefix)}}
 
     def compute_loss(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training loss of one batch (tasks with other models override this and ``evaluate``)."""
@@ -454,8 +484,10 @@ class Trainer:
         self.update = state.get("update", self.epoch * self.updates_per_epoch)
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
-        # the schedule comes from the current config (as timm does), so a resumed run may extend epochs
-        self.scheduler.step_update(self.update)
+        # the schedule comes from the current config (as timm does), so a resumed run may extend epochs;
+        # per epoch, fit() sets the epoch's lr before it continues
+        if self.cfg.sched_on == "update":
+            self.scheduler.step_update(self.update)
         self.metrics = state.get("metrics") or self.metrics
         self.train_images, self.train_seconds = state.get("train_images", 0), state.get("train_seconds", 0.0)
         # checkpoints before "processes" held one RNG state (and only at epoch ends)

@@ -38,8 +38,10 @@ forward hook on the stage's patch-embedding conv, so it follows the input size):
 By default ``norm=<x>`` replaces every one of these slots. ``dtn_stages=k`` gives the DTN code's placement
 (``pvt_norm.py``, with k = 3): only norm1/norm2 of the blocks of stages 1..k take the configured normalizer;
 the later stages, the sr-branch norms, the patch-embedding norms and the final norm keep LayerNorm.
-The DTN code's model is therefore ``num_heads=(4, 4, 5, 8), dtn_stages=3, decay_pos_embed=True`` (its
-``no_weight_decay()`` exempts the class token only; ours also exempts the position embeddings).
+The DTN code's model is therefore ``num_heads=(4, 4, 5, 8), dtn_stages=3``.
+
+Weight decay: ``no_weight_decay()`` is the class token only, as in the PVT and DTN code (their position
+embeddings are decayed); ``decay_pos_embed=False`` also exempts the position embeddings, as ViT does.
 
 ``pvt_micro`` is the CPU-demo member: the same architecture at 16 px with a 1 px stem patch (strides 1, 2, 4,
 8 -> grids 16x16, 8x8, 4x4, 2x2 + class token; with a 2 px stem the last grid would be 1x1 and the
@@ -166,7 +168,7 @@ class PyramidVisionTransformer(Backbone):
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         dtn_stages: int | None = None,
-        decay_pos_embed: bool = False,
+        decay_pos_embed: bool = True,
     ) -> None:
         super().__init__()
         num_stages = len(depths)
@@ -248,7 +250,7 @@ class PyramidVisionTransformer(Backbone):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
-        if self.decay_pos_embed:  # the DTN code's PVT exempts the class token only
+        if self.decay_pos_embed:  # PVT's (and the DTN code's) exempts the class token only
             return {"cls_token"}
         return {"cls_token", *(f"pos_embed{i + 1}" for i in range(self.num_stages))}
 
@@ -282,28 +284,31 @@ class PyramidVisionTransformer(Backbone):
                 "num_prefix_tokens": prefix}
 
     # ---------------------------------------------------------------- forward
-    def _pos_embed(self, stage: int, grid: tuple[int, int]) -> torch.Tensor:
-        """The stage's position embedding, resized bilinearly when ``grid`` is not the built one."""
+    def _pos_embed(self, stage: int, grid: tuple[int, int], class_token: bool) -> torch.Tensor:
+        """The stage's position embedding, resized bilinearly when ``grid`` is not the built one; the last
+        stage's class-token slot only with ``class_token``."""
         pos = getattr(self, f"pos_embed{stage + 1}")
-        if grid == self.grids[stage]:
-            return pos
         prefix = 1 if stage == self.num_stages - 1 else 0
-        cls_pos, grid_pos = pos[:, :prefix], pos[:, prefix:]
-        gh, gw = self.grids[stage]
-        grid_pos = grid_pos.reshape(1, gh, gw, -1).permute(0, 3, 1, 2)
-        grid_pos = F.interpolate(grid_pos, size=grid, mode="bilinear", align_corners=False)
-        return torch.cat((cls_pos, grid_pos.flatten(2).transpose(1, 2)), dim=1)
+        cls_pos, grid_pos = pos[:, :prefix if class_token else 0], pos[:, prefix:]
+        if grid != self.grids[stage]:
+            gh, gw = self.grids[stage]
+            grid_pos = grid_pos.reshape(1, gh, gw, -1).permute(0, 3, 1, 2)
+            grid_pos = F.interpolate(grid_pos, size=grid, mode="bilinear", align_corners=False)
+            grid_pos = grid_pos.flatten(2).transpose(1, 2)
+        return torch.cat((cls_pos, grid_pos), dim=1)
 
-    def _forward_stages(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(stage-4 tokens [cls, grid] before the final norm, the 4 stage maps NCHW)."""
+    def _forward_stages(self, x: torch.Tensor, class_token: bool = True
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(stage-4 tokens [cls, grid] -- [grid] without ``class_token`` -- before the final norm, the 4 stage
+        maps NCHW)."""
         maps = []
         b = x.shape[0]
         for i in range(self.num_stages):
             s = i + 1
             x, grid = getattr(self, f"patch_embed{s}")(x)
-            if i == self.num_stages - 1:
+            if class_token and i == self.num_stages - 1:
                 x = torch.cat((self.cls_token.expand(b, -1, -1), x), dim=1)
-            x = getattr(self, f"pos_drop{s}")(x + self._pos_embed(i, grid))
+            x = getattr(self, f"pos_drop{s}")(x + self._pos_embed(i, grid, class_token))
             for blk in getattr(self, f"block{s}"):
                 x = blk(x, grid)
             tokens = x
@@ -325,10 +330,11 @@ class PyramidVisionTransformer(Backbone):
     def features(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The 4 stage maps (B, C_i, H/s_i, W/s_i), NCHW, strides ``feature_strides`` (4, 8, 16, 32).
 
-        Stage 4's map is its grid tokens after the last block (the class token still takes part in the
-        stage-4 attention; the final norm belongs to the classifier, as stages 1-3 end without a norm).
+        As PVT's detection backbone (whai362/PVT ``detection/pvt.py``) runs them: without the class token
+        (stage 4 attends over its grid tokens only and adds ``pos_embed4[:, 1:]``) and without the final
+        norm, which belongs to the classifier, as stages 1-3 end without a norm.
         """
-        return self._forward_stages(x)[1]
+        return self._forward_stages(x, class_token=False)[1]
 
 
 def _pvt(arch: dict[str, Any], **kwargs: Any) -> PyramidVisionTransformer:

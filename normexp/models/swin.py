@@ -27,7 +27,11 @@ count of the stage the slot belongs to (a merged map belongs to the stage it sta
 ``strict_img_size=False``) accepts any size divisible by the patch. ``features(x)`` returns the four
 stage maps (before the final norm, as timm's ``features_only``) in NCHW at strides
 ``patch_size * (1, 2, 4, 8)``; ``feature_norms=True`` (dense tasks) puts a norm on each of them, as the
-official detection backbone does (``feature_norms.<stage>`` slots, on that stage's grid).
+official detection backbone does (``feature_norms.<stage>`` slots, on that stage's grid). The windows are
+those of the detection code at every size (:class:`PadThenShiftBlock`), and dense tasks build the paper
+sizes with ``always_partition=True``: 7x7 windows with every other block shifted in every stage, as that
+code runs them (timm shrinks the window and drops the shift where a stage is no larger than the window,
+as the classification code does at 224 px).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from timm.models.swin_transformer import SwinTransformer
+import torch.nn.functional as F
+from timm.models import swin_transformer as timm_swin
 from torch import nn
 
 from ..norms.layout import TokenLayout
@@ -56,11 +61,41 @@ class _GridHook:
         self.layout.set_grid(output.shape[1], output.shape[2])
 
 
-class Swin(SwinTransformer, Backbone):
+class PadThenShiftBlock(timm_swin.SwinTransformerBlock):
+    """timm's block with the window attention of Swin's detection code: pad the map to a window multiple,
+    then shift it, with the shifted-window mask built on the padded grid (SwinTransformer/Swin-Transformer-
+    Object-Detection ``mmdet/models/backbones/swin_transformer.py``, ``SwinTransformerBlock.forward`` and
+    ``BasicLayer.forward``). timm 1.0.31 shifts first and pads after, so on a grid that is not a window
+    multiple its wrap seam falls inside the padded windows where the mask does not expect it. On a window
+    multiple (the classification sizes) both are the same."""
+
+    def _attn(self, x: torch.Tensor) -> torch.Tensor:
+        _, h, w, c = x.shape
+        wh, ww = self.window_size
+        x = F.pad(x, (0, 0, 0, (ww - w % ww) % ww, 0, (wh - h % wh) % wh))  # zeros, attended to as keys
+        hp, wp = x.shape[1:3]
+        shift = tuple(self.shift_size)
+        if any(shift):
+            x = torch.roll(x, shifts=(-shift[0], -shift[1]), dims=(1, 2))
+            mask = self.get_attn_mask(x) if self.dynamic_mask else self.attn_mask  # on the padded grid
+        else:
+            mask = None
+        windows = timm_swin.window_partition(x, self.window_size).view(-1, self.window_area, c)
+        windows = self.attn(windows, mask=mask)
+        x = timm_swin.window_reverse(windows.view(-1, wh, ww, c), self.window_size, hp, wp)
+        if any(shift):
+            x = torch.roll(x, shifts=shift, dims=(1, 2))
+        return x[:, :h, :w].contiguous()
+
+
+class Swin(timm_swin.SwinTransformer, Backbone):
     """timm's Swin that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
     def __init__(self, feature_norms: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        for stage in self.layers:
+            for block in stage.blocks:
+                block.__class__ = PadThenShiftBlock  # same parameters and buffers, the detection code's order
         self.stage_layouts = [TokenLayout(num_prefix_tokens=0) for _ in self.layers]
         self._block_offset = []
         offset = 0

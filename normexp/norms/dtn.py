@@ -19,6 +19,12 @@ tokens get LN statistics only; the grid comes from the input's shape (maps) or f
 never guessed from T. The logits are a row term plus a column term, so P^h is the Kronecker product of two
 small softmaxes (:meth:`DTN.position_factors`): ``separable=True`` applies them, ``False`` the dense matrix,
 as the official code does -- the same numbers. How it is computed: ``normexp.norms.kernels.dtn``.
+
+``pos_init="random"`` (default) starts ``pos_proj`` as the released models train it: the module applies a
+ConViT-style local init, but ``models/vit_norm_mix.py`` and ``models/pvt_norm.py`` then re-initialise every
+``nn.Linear`` (trunc-normal 0.02, zero bias), so each head starts from a nearly uniform P; ``"local"`` keeps
+the module's local init (each of the first k*k heads peaks at one neighbour offset, scaled by
+``locality_strength``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from .kernels import KERNEL_MODES, check_kernels
 from .kernels.dtn import normalize
 from .layout import TokenLayout
 from .registry import register_norm
+
+POS_INITS = ("random", "local")  # the official models' effective init, or the module's own
 
 
 @register_norm("dtn")
@@ -59,7 +67,7 @@ class DTN(nn.Module):
         pool_size: int | None = 14,
         locality_strength: float = 1.0,
         only_var: bool = False,
-        local_init: bool = True,
+        pos_init: str = "random",
         separable: bool = True,
         num_prefix_tokens: int | None = None,
         kernels: str = "auto",
@@ -72,6 +80,8 @@ class DTN(nn.Module):
             raise ValueError(f"DTN: num_heads={num_heads} must divide dim={dim} (channels split per head)")
         if pool_size is not None and pool_size < 1:
             raise ValueError(f"DTN: pool_size must be a positive int or None, got {pool_size}")
+        if pos_init not in POS_INITS:
+            raise ValueError(f"DTN: pos_init must be one of {', '.join(POS_INITS)}, got {pos_init!r}")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.layout = layout  # shared, mutable, not a submodule (see layout.py)
         self.num_prefix_tokens = num_prefix_tokens
@@ -89,7 +99,7 @@ class DTN(nn.Module):
         self.pos_proj = nn.Linear(3, num_heads)
         nn.init.trunc_normal_(self.pos_proj.weight, std=0.02)
         nn.init.zeros_(self.pos_proj.bias)
-        if local_init:
+        if pos_init == "local":
             self.local_init(locality_strength)
 
         # relative offsets of the last grid seen; non-persistent so state_dicts match the official ones

@@ -106,14 +106,18 @@ class TablePlan:
         return "/".join([self.spec.id, *labels, f"s{run.points[0].seed}"])
 
     def dashboard_metric(self, run: PlannedRun) -> str | None:
-        """The table's headline metric as dashboards name it (``final/val/top1``; the EMA's when the run
-        evaluates one), or None for one that is not a final metric (``params``)."""
+        """The table's headline metric as dashboards name it (``final/val/top1``; ``final/ema/val/top1`` where
+        the row reads the reported weights and the recipe reports the EMA's), or None for one that is not a
+        final metric (``params``)."""
         from ..tasks import get_task
 
         task = get_task(run.config["task"]["name"])
         reported = task.metrics(run.config) if task.metrics else []
         metric = next((m for m in self.spec.metrics if m.delta), self.spec.metrics[0])
-        names = [p.removeprefix("metrics.final.") for p in metric.value if p.startswith("metrics.final.")]
+        weights = "ema/val/" if run.config["trainer"]["ema"]["reported"] else "val/"
+        names = [p.removeprefix("metrics.final.") if p.startswith("metrics.final.")
+                 else weights + p.removeprefix("metrics.reported.") for p in metric.value
+                 if p.startswith(("metrics.final.", "metrics.reported."))]
         return next((f"final/{n}" for n in names if n in reported), None)
 
     def job_overrides(self, run: PlannedRun, root: Path | None = None) -> list[str]:

@@ -99,9 +99,35 @@ def caption(result: TableResult) -> list[str]:
         lines.append(f"Paper values: {spec.paper_note}")
     for name in result.derived_used:
         lines.append(f"Where a run has no such value, {DERIVED_NOTES[name]}.")
+    weights = reported_weights_line(result)
+    if weights:
+        lines.append(weights)
     if spec.notes:
         lines.append(spec.notes.strip())
     return lines
+
+
+WEIGHTS = {"ema": "the EMA model's", "raw": "the trained model's"}
+
+
+def reported_weights_line(result: TableResult) -> str:
+    """Which weights our ``metrics.reported`` values come from, per row, as the runs recorded them: those
+    its recipe says the paper reports (``trainer.ema.reported``; a scale without EMA has the trained model
+    only)."""
+    spec = result.spec
+    if not any(path.startswith("metrics.reported.") for m in spec.metrics for path in m.value):
+        return ""
+    rows: dict[str, list[str]] = {}
+    for row in result.rows:
+        seen = {get_path(run.record.summary, "metrics.reported.weights")
+                for _, run in row.points if run.record is not None}
+        name = " ".join(spec.display(k, row.labels[k]) for k in spec.label_keys)
+        for which in sorted(w for w in seen if w):
+            rows.setdefault(which, []).append(name)
+    if len(rows) == 1:
+        return f"Our metrics are {WEIGHTS[next(iter(rows))]} in every row."
+    parts = [f"{WEIGHTS[w]} for {', '.join(names)}" for w, names in sorted(rows.items())]
+    return "Our metrics are " + "; ".join(parts) + "." if parts else ""
 
 
 def shows_run_as(result: TableResult) -> bool:

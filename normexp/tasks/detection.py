@@ -2,8 +2,9 @@
 
 ``task.pretrained=<classification run dir or checkpoint>`` initialises the backbone: the backbone and norm
 are rebuilt from that run's stored config (``with_pretrained_backbone``, applied before the record is written,
-so the record names the model that runs) and its weights load strictly -- only the weights detection adds
-(a plain model's simple pyramid) start fresh; the classifier head is kept, unused.
+so the record names the model that runs) and the weights that run reports load strictly -- its EMA model's
+when its recipe reports the EMA (``trainer.ema.reported``: DTN, T2T-ViT), else the trained model's; only the
+weights detection adds (a plain model's simple pyramid) start fresh; the classifier head is kept, unused.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 from .. import CONFIG_DIR, distributed
 from ..data.coco import DetectionData, build_detection_data
-from ..engine.checkpoint import checkpoint_run_config, load_checkpoint
+from ..engine.checkpoint import checkpoint_run_config, load_checkpoint, reported_weights
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..metrics.coco import coco_evaluate, coco_results
@@ -128,12 +129,15 @@ def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def build_detection_model(cfg: Any, num_classes: int) -> nn.Module:
+def build_detection_model(cfg: Any, num_classes: int, record: RunRecord | None = None) -> nn.Module:
     body = build_backbone(cfg.backbone, cfg.norm, dense=True)
     options = cfg.task.get(cfg.task.detector)  # further torchvision arguments of this detector
     if cfg.task.pretrained:
-        state = load_checkpoint(cfg.task.pretrained)
-        load_backbone_weights(body, state.get("model", state), str(cfg.task.pretrained))
+        weights, which = reported_weights(load_checkpoint(cfg.task.pretrained))
+        load_backbone_weights(body, weights, str(cfg.task.pretrained))
+        log.info("backbone weights: the %s model of %s", which, cfg.task.pretrained)
+        if record is not None:
+            record.update(pretrained_weights=which)
     try:
         return build_detector(
             body, cfg.task.detector, num_classes, min_size=cfg.data.min_size, max_size=cfg.data.max_size,
@@ -148,7 +152,7 @@ def build_detection_model(cfg: Any, num_classes: int) -> nn.Module:
 
 def run_detection(cfg: Any, record: RunRecord) -> dict[str, Any]:
     data = build_detection_data(cfg.data, cfg.seed, masks=cfg.task.detector == "mask_rcnn")
-    model = build_detection_model(cfg, data.num_classes)
+    model = build_detection_model(cfg, data.num_classes, record)
     record.update(params=count_params(model), backbone_params=count_params(model.backbone.body),
                   dataset=str(data.root))
     log.info("%s over %s with norm=%s: %.2fM params (backbone %.2fM); data %s", cfg.task.detector,

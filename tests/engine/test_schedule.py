@@ -1,7 +1,10 @@
-"""The detection 1x schedule through the common trainer: warm-up in iterations, step decay at epochs 8
-and 11, and weight decay on every parameter when the recipe asks for it."""
+"""Schedules through the common trainer: the detection 1x (warm-up in iterations, step decay at epochs 8 and
+11, weight decay on every parameter when the recipe asks for it); per-epoch stepping with each code's lag, a
+warm-up prefix, cool-down epochs, and resuming mid-epoch."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from conftest import quick_cfg
@@ -63,3 +66,82 @@ def test_warmup_and_min_lr_scale_with_the_batch_only_when_asked(tmp_path, scale_
     assert all(v == pytest.approx(5e-4 * factor) for v in trainer.scheduler.base_values)  # the peak scales
     assert lr_at(trainer, 0) == pytest.approx(1e-6 * floor)
     assert lr_at(trainer, 10 ** 6) == pytest.approx(1e-5 * floor)
+
+
+def epoch_lrs(trainer, epochs):
+    """The lr each epoch trains at, as fit() sets it (sched_on=epoch)."""
+    lrs = []
+    for epoch in range(epochs):
+        trainer.step_epoch_schedule(epoch)
+        lrs.append(trainer.optimizer.param_groups[0]["lr"])
+    return lrs
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_per_epoch_schedule_with_the_codes_lag(tmp_path, lag):
+    """timm's train.py (the DTN code, T2T-ViT) steps the scheduler with epoch + 1 after each epoch, so epoch e
+    trains at the schedule's value for e; DeiT's main.py (DeiT, PVT, LeViT) with epoch, so at e - 1 -- its
+    epochs 0 and 1 both run at the warm-up lr. Within an epoch the lr does not move."""
+    trainer = trainer_for(tmp_path, "trainer=default", "trainer.epochs=10", "trainer.warmup_epochs=5",
+                          "trainer.lr=1e-3", "trainer.warmup_lr=1e-6", "trainer.min_lr=1e-5",
+                          "trainer.sched_on=epoch", f"trainer.sched_lag={lag}")
+    schedule = [1e-6 + e * (1e-3 - 1e-6) / 5 for e in range(5)]  # timm's warm-up, then the cosine from e=5
+    schedule += [1e-5 + 0.5 * (1e-3 - 1e-5) * (1 + math.cos(math.pi * e / 10)) for e in range(5, 10)]
+    expected = [schedule[max(e - lag, 0)] for e in range(10)]
+    assert epoch_lrs(trainer, 10) == pytest.approx(expected)
+    trainer.step_epoch_schedule(3)
+    lr = trainer.optimizer.param_groups[0]["lr"]
+    trainer.optimizer_step()  # an update inside the epoch leaves it
+    assert trainer.optimizer.param_groups[0]["lr"] == lr
+
+
+def test_warmup_prefix_runs_the_cosine_over_the_epochs_after_it(tmp_path):
+    """ConvNeXt's utils.cosine_scheduler (DyT's recipe): linear warm-up, then a cosine over the remaining
+    epochs from the peak; without the prefix (timm's default) the cosine spans all epochs."""
+    overrides = ["trainer=default", "trainer.epochs=10", "trainer.warmup_epochs=2", "trainer.lr=1e-3",
+                 "trainer.warmup_lr=0", "trainer.min_lr=1e-6"]
+    prefixed = trainer_for(tmp_path, *overrides, "trainer.warmup_prefix=true")
+    per_epoch = prefixed.updates_per_epoch
+    warm, rest = 2 * per_epoch, 8 * per_epoch
+    assert lr_at(prefixed, warm // 2) == pytest.approx(1e-3 / 2)
+    assert lr_at(prefixed, warm) == pytest.approx(1e-3)  # the cosine starts at its peak
+    assert lr_at(prefixed, warm + rest // 2) == pytest.approx((1e-3 + 1e-6) / 2)
+    assert lr_at(prefixed, warm + rest) == pytest.approx(1e-6)
+    overlaid = trainer_for(tmp_path, *overrides)
+    assert lr_at(overlaid, warm) == pytest.approx(1e-6 + 0.5 * (1e-3 - 1e-6) * (1 + math.cos(math.pi * 0.2)))
+
+
+def test_cooldown_epochs_hold_min_lr_after_the_cosine(tmp_path):
+    """timm's train.py (T2T-ViT's main.py) trains num_epochs = epochs + cooldown_epochs: the cosine over
+    the first 300, then 10 at min-lr. Here trainer.epochs counts them all (310)."""
+    trainer = trainer_for(tmp_path, "trainer=default", "trainer.epochs=12", "trainer.cooldown_epochs=2",
+                          "trainer.warmup_epochs=1", "trainer.lr=1e-3", "trainer.min_lr=1e-5",
+                          "trainer.sched_on=epoch")
+    lrs = epoch_lrs(trainer, 12)
+    assert lrs[5] == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5) * (1 + math.cos(math.pi * 5 / 10)))
+    assert lrs[9] > 1e-5 and lrs[10:] == pytest.approx([1e-5, 1e-5])
+
+
+def test_per_epoch_schedule_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
+    """A run stopped inside its second epoch (whose lr is the peak, the first's the warm-up lr) resumes at
+    that epoch's lr: the numbers of the uninterrupted run."""
+    from normexp.engine.trainer import Trainer
+    from normexp.run import run
+
+    overrides = ("trainer.sched_on=epoch", "trainer.warmup_epochs=1", "trainer.checkpoint_interval=4",
+                 "data.val_fraction=0.5")  # 14 updates per epoch
+    uninterrupted = run(quick_cfg(*overrides, epochs=2), tmp_path / "full")
+    real_step = Trainer.optimizer_step
+
+    def crash_mid_epoch_2(self):
+        real_step(self)
+        if self.epoch == 1 and self.batch == 6:  # after the checkpoint at its 4th update
+            raise KeyboardInterrupt("preempted")
+
+    monkeypatch.setattr(Trainer, "optimizer_step", crash_mid_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        run(quick_cfg(*overrides, epochs=2), tmp_path / "crashed")
+    monkeypatch.setattr(Trainer, "optimizer_step", real_step)
+    resumed = run(quick_cfg(*overrides, f"trainer.resume={tmp_path / 'crashed'}", epochs=2),
+                  tmp_path / "resumed")
+    assert resumed["metrics"] == uninterrupted["metrics"]

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import compose_cfg
 from torch import nn
 
@@ -182,11 +183,39 @@ def test_recipe_values():
         assert backbone.drop_path_rate == dp and backbone.img_size == 224
 
 
-def test_position_embeddings_and_class_token_get_no_weight_decay():
+@pytest.mark.parametrize("decay_pos_embed", [True, False])
+def test_weight_decay_spares_the_class_token_and_decays_the_position_embeddings(decay_pos_embed):
+    """whai362/PVT classification/pvt.py (and wqshao126/DTN models/pvt_norm.py): no_weight_decay() is
+    {'cls_token'}, so the (1, N, C) position embeddings are decayed; decay_pos_embed=False exempts them."""
     from timm.optim import create_optimizer_v2
 
-    model = create_model("pvt_micro", num_classes=10)
+    model = create_model("pvt_micro", num_classes=10, decay_pos_embed=decay_pos_embed)
     opt = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05, filter_bias_and_bn=True)
     decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
-    exempt = [model.cls_token, *(getattr(model, f"pos_embed{s}") for s in range(1, 5))]
-    assert not any(id(p) in decayed for p in exempt) and id(model.block1[0].attn.sr.weight) in decayed
+    positions = [getattr(model, f"pos_embed{s}") for s in range(1, 5)]
+    assert id(model.cls_token) not in decayed and id(model.block1[0].attn.sr.weight) in decayed
+    assert all((id(p) in decayed) == decay_pos_embed for p in positions)
+    assert compose_cfg("experiment=pvt_imagenet", "backbone=pvt_tiny").backbone.get("decay_pos_embed") is None
+
+
+def test_detection_features_leave_out_the_class_token():
+    """whai362/PVT detection/pvt.py: the detection backbone has no class token; stage 4 adds
+    pos_embed4[:, 1:] to its grid tokens alone. Classification keeps it (forward_features)."""
+    torch.manual_seed(0)
+    model = create_model("pvt_micro", num_classes=10).eval()
+    x = torch.randn(2, 3, 24, 32)  # not the built 16 px: the position embeddings are resized
+    with torch.no_grad():
+        maps, logits = model.features(x), model(x)
+        model.cls_token.add_(1.0)
+        model.pos_embed4[:, 0].add_(1.0)
+        for before, after in zip(maps, model.features(x), strict=True):
+            torch.testing.assert_close(before, after, rtol=0, atol=0)
+        assert not torch.allclose(logits, model(x))
+        # stage 4 by hand: the stage-3 map embedded, plus the grid part of pos_embed4, through its blocks
+        tokens, grid = model.patch_embed4(maps[2])
+        pos = F.interpolate(model.pos_embed4[:, 1:].reshape(1, 2, 2, -1).permute(0, 3, 1, 2), size=grid,
+                            mode="bilinear", align_corners=False).flatten(2).transpose(1, 2)
+        tokens = tokens + pos
+        for blk in model.block4:
+            tokens = blk(tokens, grid)
+        torch.testing.assert_close(maps[3], tokens.transpose(1, 2).reshape(2, -1, *grid))

@@ -6,7 +6,9 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import compose_cfg
+from timm.models.swin_transformer import SwinTransformerBlock
 from torch import nn
 
 from normexp.models import build_backbone, create_model
@@ -144,3 +146,76 @@ def test_recipe_values():
     dp = {n: compose_cfg("experiment=swin_imagenet", f"backbone={n}").backbone.drop_path_rate
           for n in ("swin_small", "swin_base")}
     assert dp == {"swin_small": 0.3, "swin_base": 0.5}
+
+
+# ---------------------------------------------------------------- the detection code's shifted windows
+def official_shift_mask(hp: int, wp: int, window: int, shift: int) -> torch.Tensor:
+    """BasicLayer.forward of SwinTransformer/Swin-Transformer-Object-Detection (mmdet/models/backbones/
+    swin_transformer.py): region ids on the *padded* grid, -100 between tokens of different regions."""
+    regions = torch.zeros(1, hp, wp, 1)
+    cuts = (slice(0, -window), slice(-window, -shift), slice(-shift, None))
+    for i, (rows, cols) in enumerate((r, c) for r in cuts for c in cuts):
+        regions[:, rows, cols, :] = i
+    ids = regions.view(hp // window, window, wp // window, window).permute(0, 2, 1, 3)
+    ids = ids.reshape(-1, window * window)
+    diff = ids[:, None, :] - ids[:, :, None]
+    return torch.where(diff != 0, -100.0, 0.0)
+
+
+def padded_then_shifted_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """SwinTransformerBlock.forward of the detection code, written out: norm1, pad to a window multiple,
+    roll, window attention (relative position bias, the mask above), un-roll, crop, residual, MLP."""
+    b, h, w, c = x.shape
+    ws, shift = block.window_size[0], block.shift_size[0]
+    attn, heads, n = block.attn, block.attn.num_heads, block.window_size[0] ** 2
+    hp, wp = -(-h // ws) * ws, -(-w // ws) * ws
+    y = F.pad(block.norm1(x), (0, 0, 0, wp - w, 0, hp - h))
+    if shift:
+        y = torch.roll(y, (-shift, -shift), (1, 2))
+    windows = y.view(b, hp // ws, ws, wp // ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, n, c)
+    q, k, v = attn.qkv(windows).reshape(-1, n, 3, heads, c // heads).permute(2, 0, 3, 1, 4)
+    logits = q @ k.transpose(-2, -1) * (c // heads) ** -0.5
+    logits = logits + attn.relative_position_bias_table[attn.relative_position_index.view(-1)].view(
+        n, n, heads).permute(2, 0, 1)
+    if shift:
+        mask = official_shift_mask(hp, wp, ws, shift)
+        logits = (logits.view(b, -1, heads, n, n) + mask[None, :, None]).view(-1, heads, n, n)
+    out = attn.proj((logits.softmax(-1) @ v).transpose(1, 2).reshape(-1, n, c))
+    y = out.view(b, hp // ws, wp // ws, ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(b, hp, wp, c)
+    if shift:
+        y = torch.roll(y, (shift, shift), (1, 2))
+    x = x + y[:, :h, :w]
+    return x + block.mlp(block.norm2(x))
+
+
+def test_detection_windows_pad_then_shift_as_the_detection_code():
+    """On a 10x13 stage map (not a window multiple, as every stage at 1333x800) each block -- plain and
+    shifted windows -- is the detection code's padded-then-rolled attention; timm's roll-then-pad is not."""
+    torch.manual_seed(0)
+    cfg = compose_cfg("task=detection", "backbone=swin_tiny", "data.canvas_size=64")
+    model = build_backbone(cfg.backbone, cfg.norm, dense=True).eval()
+    x = torch.randn(2, 10, 13, 96)
+    with torch.no_grad():
+        for block in model.layers[0].blocks:
+            assert block.window_size == (7, 7)
+            torch.testing.assert_close(block(x), padded_then_shifted_block(block, x))
+        shifted = model.layers[0].blocks[1]
+        assert shifted.shift_size == (3, 3)
+        timm_order = SwinTransformerBlock._attn(shifted, shifted.norm1(x))
+        assert not torch.allclose(shifted._attn(shifted.norm1(x)), timm_order, atol=1e-3)
+        # the last stage is shifted too (the detection code never shrinks the window or drops the shift)
+        assert model.layers[3].blocks[1].shift_size == (3, 3)
+
+
+def test_classification_windows_are_unchanged_on_window_multiples():
+    """At the sizes the classifiers are built for the grids are window multiples: padding is empty and the
+    detection code's order gives timm's numbers exactly."""
+    torch.manual_seed(0)
+    model = create_model("swin_micro", num_classes=10).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        ours = model(x)
+        for stage in model.layers:
+            for block in stage.blocks:
+                block.__class__ = SwinTransformerBlock
+        torch.testing.assert_close(ours, model(x), rtol=0, atol=0)

@@ -218,13 +218,13 @@ def test_tokens_type_is_validated():
 
 
 def test_imagenet_recipe_matches_protocols():
-    """yitu-opensource/T2T-ViT main.py / README: absolute lr, 8 x 64, wd 0.05, 10 warm-up epochs, EMA, colour
-    jitter 0.4."""
+    """yitu-opensource/T2T-ViT main.py / README: absolute lr, 8 x 64, wd 0.05, 10 warm-up epochs, 300 + 10
+    cool-down epochs, EMA, colour jitter 0.4."""
     cfg = compose_cfg("experiment=t2t_imagenet")
     t, d = cfg.trainer, cfg.data
     assert cfg.backbone.name == "t2t_vit_14" and cfg.backbone.tokens_type == "performer"
     assert cfg.backbone.drop_path_rate == 0.1 and d.name == "imagenet" and d.img_size == 224
-    assert (t.epochs, t.lr, t.lr_base_size, t.weight_decay) == (300, 5e-4, None, 0.05)
+    assert (t.epochs, t.cooldown_epochs, t.lr, t.lr_base_size, t.weight_decay) == (310, 10, 5e-4, None, 0.05)
     assert (t.warmup_epochs, t.warmup_lr, t.min_lr, t.smoothing) == (10, 1e-6, 1e-5, 0.1)
     assert (t.mixup.mixup_alpha, t.mixup.cutmix_alpha, t.clip_grad) == (0.8, 1.0, None)
     assert t.ema.enabled and t.ema.decay == 0.99996 and t.best_metric == "ema/val/top1"

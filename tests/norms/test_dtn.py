@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import compose_cfg
+from scipy import stats
 from torch import nn
 from torch.func import functional_call
 
+from normexp.models import build_backbone
 from normexp.norms import TokenLayout
 from normexp.norms.dtn import DTN
 
@@ -240,7 +243,7 @@ def test_initial_mixing_weights_are_half_and_state_dict_is_official():
 
 
 def test_local_init_h9_each_head_peaks_at_its_offset():
-    m = DTN(9 * 4, num_heads=9)
+    m = DTN(9 * 4, num_heads=9, pos_init="local")
     p = m.position_matrix((14, 14))  # [H, source, target]
     target = 7 * 14 + 7
     seen = set()
@@ -258,7 +261,7 @@ def test_local_init_h9_each_head_peaks_at_its_offset():
 
 def test_local_init_h6_keeps_extra_heads_random_and_global():
     torch.manual_seed(0)
-    m = DTN(384, num_heads=6)
+    m = DTN(384, num_heads=6, pos_init="local")
     w = m.pos_proj.weight
     assert torch.all(w[:4, 2] == -1) and w[4:].abs().max() < 0.15  # heads >= k^2 = 4: std-0.02 weights
     p = m.position_matrix((14, 14))
@@ -266,9 +269,33 @@ def test_local_init_h6_keeps_extra_heads_random_and_global():
 
 
 def test_locality_strength_scales_weights():
-    a = DTN(36, num_heads=9, locality_strength=2.0).pos_proj.weight
-    b = DTN(36, num_heads=9).pos_proj.weight
+    a = DTN(36, num_heads=9, pos_init="local", locality_strength=2.0).pos_proj.weight
+    b = DTN(36, num_heads=9, pos_init="local").pos_proj.weight
     torch.testing.assert_close(a, 2 * b)
+
+
+@pytest.mark.parametrize("recipe", [["experiment=dtn_imagenet"],                          # vit_small_dtn
+                                    ["experiment=dtn_pvt_imagenet", "backbone=pvt_tiny"]])  # stages 1-3
+def test_position_weights_start_as_in_the_official_models(recipe):
+    """wqshao126/DTN builds each DTN with its local init, then its models re-initialise every nn.Linear with
+    timm's trunc_normal_(std=.02) (bounds +-2, i.e. 100 std) and zero bias, pos_proj included
+    (models/vit_norm_mix.py VisionTransformer.__init__, models/pvt_norm.py _init_weights): the weights the
+    code trains from are N(0, 0.02^2) draws. The recipes' DTN starts from that distribution; the local init
+    (norm.pos_init=local) does not."""
+    def position_weights(*overrides: str) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        cfg = compose_cfg(*recipe, *overrides)
+        layers = [m for m in build_backbone(cfg.backbone, cfg.norm).modules() if isinstance(m, DTN)]
+        assert layers
+        return (torch.cat([m.pos_proj.weight.detach().flatten() for m in layers]),
+                torch.cat([m.pos_proj.bias.detach() for m in layers]))
+
+    weight, bias = position_weights()
+    assert torch.all(bias == 0)
+    assert stats.kstest(weight.numpy(), "norm", args=(0.0, 0.02)).pvalue > 0.01
+    assert weight.std().item() == pytest.approx(0.02, rel=0.15) and weight.abs().max() < 0.1
+    local, _ = position_weights("norm.pos_init=local")
+    assert stats.kstest(local.numpy(), "norm", args=(0.0, 0.02)).pvalue < 1e-6
 
 
 # --------------------------------------------------------------------------- shapes, grids, errors

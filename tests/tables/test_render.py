@@ -57,12 +57,12 @@ RUNS = {
 PARAMS = {"vit_a": 5_712_345, "vit_b": 22_050_000}
 
 
-def fabricated_plan(tmp_path: Path, spec_text: str = SPEC) -> TablePlan:
+def fabricated_plan(tmp_path: Path, spec_text: str = SPEC, runs_by_point: dict | None = None) -> TablePlan:
     spec_file = tmp_path / "fab.yaml"
     spec_file.write_text(spec_text)
     spec = load_table(str(spec_file))
     runs = []
-    for i, ((backbone, norm, seed), summary) in enumerate(RUNS.items()):
+    for i, ((backbone, norm, seed), summary) in enumerate((runs_by_point or RUNS).items()):
         record = None
         if summary is not None:
             run_dir = tmp_path / "runs" / f"r{i}"
@@ -104,6 +104,27 @@ def test_every_cell_of_the_long_table(tmp_path):
     assert rows["ViT-B DyT"][5:] == ["diverged@5; diverged@7; diverged@9", "61.0 → failed", "—", "—"]
     assert "Somebody et al., Table 9" in md and "scale `smoke`" in md and "abc123def4" in md
     assert "cpu, 2 CPU cores" in md
+
+
+def test_the_caption_says_whose_weights_each_row_reads(tmp_path):
+    """Tables read metrics.reported: each run's final metrics of the weights its recipe's paper reports."""
+    spec = SPEC.replace("[metrics.final.ema/val/top1, metrics.final.val/top1]", "metrics.reported.top1")
+
+    def reported(weights, top1):
+        return {"status": "completed", "metrics": {"reported": {"weights": weights, "top1": top1}}}
+
+    runs = {("vit_a", "ln", 0): reported("ema", 80.0), ("vit_a", "dyt", 0): reported("ema", 81.0),
+            ("vit_b", "ln", 0): reported("raw", 70.0), ("vit_b", "dyt", 0): reported("raw", 71.0)}
+    md = to_markdown(aggregate(fabricated_plan(tmp_path, spec, runs)))
+    assert "Our metrics are the EMA model's for ViT-A LN, ViT-A DyT; the trained model's for ViT-B LN, " \
+        "ViT-B DyT." in md
+    assert md_rows(md)["ViT-A DyT"][5] == "81.00 (1)"
+    same = {k: reported("raw", v["metrics"]["reported"]["top1"]) for k, v in runs.items()}
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "old").mkdir()
+    assert "Our metrics are the trained model's in every row." in \
+        to_markdown(aggregate(fabricated_plan(tmp_path / "raw", spec, same)))
+    assert "Our metrics are" not in to_markdown(aggregate(fabricated_plan(tmp_path / "old")))
 
 
 def test_csv_holds_the_unformatted_numbers(tmp_path):

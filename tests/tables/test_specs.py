@@ -19,17 +19,19 @@ RECIPES = {
                       "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 5, "trainer.warmup_lr": 1e-6,
                       "trainer.min_lr": 1e-5, "trainer.smoothing": 0.1, "trainer.mixup.mixup_alpha": 0.8,
                       "trainer.mixup.cutmix_alpha": 1.0, "data.auto_augment": "rand-m9-mstd0.5-inc1",
-                      "data.reprob": 0.25, "data.color_jitter": 0.3, "trainer.ema.decay": 0.99996},
+                      "data.reprob": 0.25, "data.color_jitter": 0.3, "trainer.ema.decay": 0.99996,
+                      "trainer.ema.reported": False},
     "dtn_imagenet": {"trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.lr_base_size": 512,
                      "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 5, "trainer.warmup_lr": 1e-6,
                      "trainer.min_lr": 1e-5, "trainer.smoothing": 0.1, "trainer.mixup.mixup_alpha": 0.0,
                      "trainer.mixup.cutmix_alpha": 0.0, "data.reprob": 0.0, "data.color_jitter": 0.4,
-                     "trainer.ema.enabled": True, "trainer.ema.decay": 0.99996,
+                     "trainer.ema.enabled": True, "trainer.ema.decay": 0.99996, "trainer.ema.reported": True,
                      "backbone.drop_path_rate": 0.1},
     "dtn_pvt_imagenet": {"trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.lr_base_size": 512,
                          "trainer.mixup.mixup_alpha": 0.0, "data.reprob": 0.0,
                          "backbone.num_heads": [4, 4, 5, 8], "backbone.dtn_stages": 3,
-                         "backbone.drop_path_rate": 0.1, "trainer.ema.enabled": True},
+                         "backbone.drop_path_rate": 0.1, "trainer.ema.enabled": True,
+                         "trainer.ema.reported": True},
     "swin_imagenet": {"trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.lr_base_size": 512,
                       "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 20, "trainer.warmup_lr": 5e-7,
                       "trainer.min_lr": 5e-6, "trainer.clip_grad": 5.0, "trainer.mixup.mixup_alpha": 0.8,
@@ -44,13 +46,14 @@ RECIPES = {
                        "trainer.weight_decay": 0.025, "trainer.clip_grad": 0.01, "trainer.clip_mode": "agc",
                        "trainer.warmup_epochs": 5, "trainer.ema.decay": 0.99996,
                        "trainer.mixup.mixup_alpha": 0.8},
-    "t2t_imagenet": {"trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.lr_base_size": None,
-                     "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 10, "trainer.ema.enabled": True,
+    "t2t_imagenet": {"trainer.epochs": 310, "trainer.cooldown_epochs": 10, "trainer.lr": 5e-4,
+                     "trainer.lr_base_size": None, "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 10,
+                     "trainer.ema.enabled": True, "trainer.ema.reported": True,
                      "trainer.mixup.mixup_alpha": 0.8},
     "dyt_imagenet": {"trainer.epochs": 300, "trainer.lr": 4e-3, "trainer.lr_base_size": 4096,
                      "trainer.weight_decay": 0.05, "trainer.warmup_epochs": 20, "trainer.min_lr": 1e-6,
-                     "trainer.ema.decay": 0.9999, "trainer.mixup.mixup_alpha": 0.8,
-                     "trainer.mixup.cutmix_alpha": 1.0,
+                     "trainer.ema.decay": 0.9999, "trainer.ema.reported": True,
+                     "trainer.mixup.mixup_alpha": 0.8, "trainer.mixup.cutmix_alpha": 1.0,
                      "trainer.smoothing": 0.1, "data.reprob": 0.25, "trainer.amp": None},
     "retinanet_pvt_1x": {"task.detector": "retinanet", "trainer.epochs": 12, "trainer.lr": 1e-4,
                          "trainer.weight_decay": 1e-4, "trainer.decay_milestones": [8, 11],
@@ -116,6 +119,23 @@ def test_paper_entries_and_baselines_name_existing_rows(plans, table):
         base = spec.baseline_of(point.labels)
         assert base is not None and tuple(str(base[k]) for k in spec.label_keys) in rows, point.labels
     assert spec.paper or spec.paper_note or not spec.source, f"{table}: give paper values or say why none"
+
+
+@pytest.mark.parametrize("scale", ["smoke", "full"])
+def test_every_dtn_row_starts_its_position_weights_as_the_released_code(plans, scale):
+    """wqshao126/DTN's models re-initialise DTN's pos_proj with trunc-normal(0.02) after building it
+    (models/vit_norm_mix.py, models/pvt_norm.py): every DTN row, at every scale, runs with pos_init=random."""
+    runs = [r for t in list_tables() for r in plans[t, scale].runs
+            if get_path(r.config, "norm.name") == "dtn"]
+    assert runs and all(get_path(r.config, "norm.pos_init") == "random" for r in runs)
+
+
+def test_classification_tables_read_the_reported_weights(plans):
+    """Each row's top-1 is of the weights its paper reports (metrics.reported, trainer.ema.reported)."""
+    for table in list_tables():
+        spec = plans[table, "full"].spec
+        top1 = next((m for m in spec.metrics if m.key == "top1"), None)
+        assert top1 is None or top1.value == ("metrics.reported.top1",), table
 
 
 def test_every_scale_loads():

@@ -94,6 +94,25 @@ def test_pretrained_classification_weights_load_into_the_backbone(tmp_path, back
         assert len(model([torch.rand(3, 64, 64)])) == 1
 
 
+@pytest.mark.parametrize("reported", [True, False])
+def test_the_backbone_starts_from_the_weights_its_classification_run_reports(tmp_path, reported):
+    """A recipe that reports its EMA model (the DTN code's and T2T-ViT's validate model_ema) hands detection
+    the EMA weights; the others their trained weights."""
+    cfg = compose_cfg("backbone=pvt_v2_micro", "trainer.ema.enabled=true", f"trainer.ema.reported={reported}")
+    trained, ema = (build_backbone(cfg.backbone, cfg.norm).state_dict() for _ in range(2))
+    config = OmegaConf.to_container(cfg, resolve=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    save_checkpoint(run / "checkpoint.pth", {"epoch": 1, "model": trained, "ema": ema, "config": config})
+    record = RunRecord(tmp_path / "detection", {})
+    body = build_detection_model(with_pretrained_backbone(detection_cfg(f"task.pretrained={run}")), 11,
+                                 record).backbone.body.state_dict()
+    expected = ema if reported else trained
+    assert all(torch.equal(body[k], v) for k, v in expected.items())
+    assert record.summary["pretrained_weights"] == ("ema" if reported else "raw")
+
+
 def test_pretrained_backbone_that_does_not_match_is_one_line(tmp_path):
     run, _ = pretrained_run(tmp_path)
     state = torch.load(run / "checkpoint.pth", weights_only=False)
