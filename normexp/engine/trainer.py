@@ -48,6 +48,7 @@ from ..errors import UserError
 from ..tracking.provenance import config_hash
 from ..tracking.records import RunRecord
 from . import distributed
+from .alpha_probe import alpha_probe
 from .checkpoint import checkpoint_file, load_checkpoint, load_model_state, save_checkpoint
 from .evaluate import classification_metrics, count_predictions
 from .precision import Precision, resolve_device
@@ -257,6 +258,7 @@ class Trainer:
                 epoch = self.epoch
                 train_stats = self.train_one_epoch(epoch)
                 row = {"epoch": epoch + 1, "step": self.update, **train_stats}
+                row.update(alpha_probe(self.module, self.data.val))  # DyT's alpha and its input's std
                 if (epoch + 1) % self.cfg.eval_interval == 0 or epoch + 1 == self.cfg.epochs:
                     row.update(self.evaluate(self.module, "val"))
                     if self.ema is not None:
