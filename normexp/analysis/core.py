@@ -90,6 +90,14 @@ def load_run(run_dir: str | Path, ema: bool | None = None) -> LoadedRun:
     return LoadedRun(run_dir, config, summary, model.eval(), use_ema, state.get("epoch"))
 
 
+def status_note(run: LoadedRun) -> list[str]:
+    """What to know about a run that has not completed (its last checkpoint is what is analysed)."""
+    status = run.summary.get("status", "unknown")
+    if status == "completed":
+        return []
+    return [f"the run's status is '{status}': its last checkpoint (epoch {run.epoch}) is analysed"]
+
+
 def sample_images(config: dict[str, Any], count: int, seed: int) -> tuple[torch.Tensor, list[int]]:
     """``count`` validation images of the run's data, drawn by a generator seeded with ``seed`` (sorted
     indices); the same run, count and seed give the same images."""
@@ -203,6 +211,8 @@ def analyse(run: LoadedRun, analyses: list[str], images: int = 16, seed: int = 0
     batch, indices = sample_images(run.config, images, seed)
     slots = norm_slot_names(model)
     result = RunAnalysis(run, tuple(batch.shape[-2:]), indices, batch, slots)
+    if status_note(run):
+        result.notes["run"] = status_note(run)
     callbacks: list[tuple[list[str], Any]] = []
 
     sampler = None

@@ -175,7 +175,7 @@ def analyse_runs(spec: FigureSpec, runs: list[FigureRun]) -> None:
     for row in runs:
         run = row.planned
         if run.record is None or run.status != "completed":
-            row.problem = f"{row.label}: {run.status}" + (f" ({run.record.dir})" if run.record else "")
+            row.problem = f"{row.label}: {run.status}" + (f" ({run.record.dir.name})" if run.record else "")
             continue
         try:
             loaded = load_run(run.record.dir)
@@ -198,8 +198,9 @@ def render_figure(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_
         raise UserError(f"figure {spec.id}: no run has a trained model to analyse ({'; '.join(problems)})")
     members = sorted({f"{s.analysis.run.backbone} on {s.analysis.run.config['data']['name']} "
                       f"{s.analysis.image_size[0]} px" for s in shown})
-    caption = (f"scale {plan.scale.name}: {', '.join(members)}; seed {min(r.seed for r in runs)}; "
-               f"{spec.images} validation images")
+    images = (f"validation image {shown[0].analysis.image_indices[0]}" if spec.analysis == "tokens"
+              else f"{spec.images} validation images")
+    caption = f"scale {plan.scale.name}: {', '.join(members)}; seed {min(r.seed for r in runs)}; {images}"
     notes = sorted({n for s in shown for ns in s.analysis.notes.values() for n in ns})
     if problems:
         caption += "; not shown: " + "; ".join(problems)

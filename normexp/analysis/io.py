@@ -35,7 +35,7 @@ class SlotSample:
     """The sampled elements of one slot. ``points``: arrays over the uniform sample (``x``, ``y``, ``y_pre``,
     ``image``, ``token``, ``channel``); ``tokens`` / ``channels``: the same arrays for every channel of the
     highlighted tokens / every position of the highlighted channels. ``token`` is the grid index in raster
-    order, -1 for a prefix (class / distillation) token or a pooled vector; ``prefix`` marks prefix tokens."""
+    order, -1 for a prefix (class / distillation) token or a pooled vector."""
 
     name: str
     kind: str

@@ -64,7 +64,7 @@ def _save(fig: Any, path: Path, caption: str, tight: bool = True) -> None:
 
 
 def short(slot: str) -> str:
-    """``blocks.3.norm1`` -> ``blocks.3.norm1``; long PVT / Swin names keep their last three parts."""
+    """A slot name for a panel title: names of more than four parts (Swin, LeViT) keep their last four."""
     parts = slot.split(".")
     return ".".join(parts[-4:]) if len(parts) > 4 else slot
 
@@ -284,7 +284,7 @@ def plot_tokens(runs: list[Shown], path: Path, title: str = "", caption: str = "
         img = shown.analysis.images[0]
         img = img.mean(0).numpy() if img.dim() == 3 else img.numpy()
         axes[r][0].imshow(img, cmap=image_ax_cmap)
-        axes[r][0].set_ylabel(shown.title, color=shown.color, fontsize=9)
+        axes[r][0].set_ylabel(shown.title, color=shown.color, fontsize=10, fontweight="bold")
         if r == 0:
             axes[r][0].set_title("image", fontsize=9)
         for side, stack in enumerate((maps.input, maps.output)):
@@ -298,7 +298,7 @@ def plot_tokens(runs: list[Shown], path: Path, title: str = "", caption: str = "
                 cv = stack[h].std() / stack[h].mean() if stack[h].mean() else float("nan")
                 ax.set_xlabel(f"cv {cv:.2f}", fontsize=8, labelpad=1)
                 if r == 0:
-                    ax.set_title(f"{'in' if side == 0 else 'out'}: head {h}", fontsize=9)
+                    ax.set_title(f"{'input' if side == 0 else 'output'}, head {h}", fontsize=9)
         numbers.append({"run": shown.label, "norm": shown.norm,
                         "image_index": shown.analysis.image_indices[0], **maps.numbers()})
     for ax in axes.flat:
@@ -322,6 +322,7 @@ def plot_attention(runs: list[Shown], path: Path, title: str = "", caption: str 
     fig, axes = plt.subplots(1, max(len(computed), 1), figsize=(max(3.8 * len(computed), 5.5), 4.2),
                              sharey=True, squeeze=False)
     rows: list[dict[str, Any]] = []
+    top = 0.0
     rng = np.random.default_rng(0)  # horizontal jitter of the dots, the same in every rendering
     for ax, shown in zip(axes[0], computed, strict=False):
         result = shown.analysis.attention
@@ -330,11 +331,13 @@ def plot_attention(runs: list[Shown], path: Path, title: str = "", caption: str 
             rows.append({"run": shown.label, "norm": shown.norm, **row})
         for depth, layer in enumerate(result.layers):
             heads = layer.per_head
+            top = max(top, *heads)
             x = depth + rng.uniform(-0.15, 0.15, len(heads))
             ax.scatter(x, heads, s=26, color=shown.color, edgecolors="black", linewidths=0.3, zorder=3)
             ax.plot([depth - 0.3, depth + 0.3], [np.mean(heads)] * 2, color=shown.color, lw=2, zorder=2)
             if layer.query_grid == layer.key_grid:
                 ref = uniform_distance(layer.query_grid, result.image)
+                top = max(top, ref)
                 ax.plot([depth - 0.35, depth + 0.35], [ref] * 2, color="#999999", lw=1, ls="--", zorder=1)
         ax.set_xticks(range(len(result.layers)))
         ax.set_xticklabels([str(layer.block if layer.block is not None else i)
@@ -348,6 +351,8 @@ def plot_attention(runs: list[Shown], path: Path, title: str = "", caption: str 
                         ha="center", va="center", transform=axes[0][0].transAxes, fontsize=8, wrap=True)
         axes[0][0].axis("off")
     axes[0][0].set_ylabel(f"mean attention distance (px, {runs[0].analysis.image_size[0]} px input)")
+    if computed:
+        axes[0][0].set_ylim(0, 1.1 * top)  # from 0: how far a head looks, against the uniform reference
     fig.suptitle(title or "Mean attention distance per head (dots), mean over heads (bar), uniform attention "
                  "(grey dashes)")
     fig.tight_layout(rect=(0, 0.04, 1, 1))

@@ -77,8 +77,8 @@ def test_figure_renders_from_records_and_says_which_runs_are_missing(figure, tmp
                       "dyt_io": ["LN", "DyT"], "dyt_alpha": ["DyT"]}[figure]
     if "IN" in labels:  # the diverged IN run is named, not drawn, and the exit status says so
         assert status == 1 and "IN: diverged" in capsys.readouterr().err
-        assert [r.get("problem") for r in record["runs"]] == [None, "IN: diverged (" + next(
-            r["dir"] for r in record["runs"] if r["label"] == "IN") + ")", None]
+        in_dir = Path(next(r["dir"] for r in record["runs"] if r["label"] == "IN"))
+        assert [r.get("problem") for r in record["runs"]] == [None, f"IN: diverged ({in_dir.name})", None]
     else:
         assert status == 0
     numbers = record["numbers"]
