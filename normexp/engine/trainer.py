@@ -258,7 +258,6 @@ class Trainer:
                 epoch = self.epoch
                 train_stats = self.train_one_epoch(epoch)
                 row = {"epoch": epoch + 1, "step": self.update, **train_stats}
-                row.update(alpha_probe(self.module, self.data.val))  # DyT's alpha and its input's std
                 if (epoch + 1) % self.cfg.eval_interval == 0 or epoch + 1 == self.cfg.epochs:
                     row.update(self.evaluate(self.module, "val"))
                     if self.ema is not None:
@@ -271,6 +270,7 @@ class Trainer:
                     self.metrics = {"final": final, "best": best}
                     log.info("epoch %d/%d  %s", epoch + 1, self.cfg.epochs,
                              "  ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
+                row.update(alpha_probe(self.module, self.data.val))  # DyT's alpha, its input's std: per layer
                 self.record.log(row)
                 self.epoch, self.batch = epoch + 1, 0
                 if self.cfg.checkpoint:
