@@ -18,7 +18,7 @@ from normexp.engine.alpha_probe import ALPHA_KEY, STD_KEY
 from normexp.models import build_backbone
 from normexp.run import run
 from normexp.tracking.provenance import config_hash
-from normexp.tracking.records import read_metrics
+from normexp.tracking.records import read_metrics, read_summary
 
 
 def fake_run(run_dir: Path, *overrides: str, status: str = "completed", checkpoint: bool = True) -> Path:
@@ -77,6 +77,7 @@ def test_analyze_writes_every_figure_of_every_family(tmp_path, backbone, norm):
 def test_analyze_a_trained_dyt_run_from_the_command_line(dyt_run):
     rows = [r for r in read_metrics(dyt_run) if "val/top1" in r]
     assert rows[-1][ALPHA_KEY + "blocks.0.norm1"] > 0 and rows[-1][STD_KEY + "norm"] > 0
+    assert not [k for k in read_summary(dyt_run)["metrics"]["final"] if k.startswith("alpha")]  # rows only
     result = run_cli("analyze", str(dyt_run), "--images", "4", "--figures", "alpha,attention")
     assert result.returncode == 0, result.stderr[-2000:]
     out = dyt_run / "analysis"
