@@ -212,9 +212,10 @@ def plot_alpha(runs: list[Shown], path: Path, title: str = "", caption: str = ""
     """Left: alpha (solid) and 1/std (dashed) over the epochs for the first, middle and last DyT layer.
     Right: every layer's final alpha against 1/std of its input, lighter to darker with depth (DyT Fig. 8)."""
     plt = _plt()
-    fig, (ax_t, ax_f) = plt.subplots(1, 2, figsize=(11, 4.4))
+    fig, (ax_t, ax_f) = plt.subplots(1, 2, figsize=(11, 4.6))
     markers = "osD^v"
     rows = []
+    correlations: list[str] = []
     for k, shown in enumerate(runs):
         layers = shown.analysis.alpha or []
         colors = shades(shown.color, len(layers), lightest=0.7)
@@ -236,8 +237,7 @@ def plot_alpha(runs: list[Shown], path: Path, title: str = "", caption: str = ""
                      linewidths=0.4, label=shown.title, zorder=3)
         if len(layers) > 2 and np.std(xs) > 0 and np.std(ys) > 0:
             r = float(np.corrcoef(xs, ys)[0, 1])
-            ax_f.text(0.02, 0.97 - 0.06 * k, f"{shown.label}: Pearson r = {r:.2f} over {len(layers)} layers",
-                      transform=ax_f.transAxes, va="top", fontsize=8, color=shown.color)
+            correlations.append(f"{shown.label}: Pearson r = {r:.2f} ({len(layers)} layers)")
         for depth, layer in enumerate(layers):
             rows.append({"run": shown.label, "depth": depth, "slot": layer.slot, "alpha": layer.alpha,
                          "input_std": layer.input_std, "inverse_std": layer.inverse_std})
@@ -246,12 +246,17 @@ def plot_alpha(runs: list[Shown], path: Path, title: str = "", caption: str = ""
                   ha="center", va="center", transform=ax_t.transAxes, color="#666666")
     ax_t.set_xlabel("epoch")
     ax_t.set_ylabel("α (solid), 1/std of the layer input (dashed)")
-    ax_t.set_title("over training (fixed probe batch)")
+    ax_t.set_title("over training: first, middle, last layer (fixed probe batch)")
     if ax_t.lines:
-        ax_t.legend(fontsize=7, ncol=1, frameon=False)
+        ax_t.legend(fontsize=7, ncol=2, loc="best", framealpha=0.9)
     ax_f.set_xlabel("1/std of the layer input (after training)")
     ax_f.set_ylabel("α (after training)")
-    ax_f.set_title("per layer (lighter = earlier)")
+    # both axes from 0, with alpha = 1/std dotted: how far alpha follows 1/std, at a glance
+    top = max([1e-9, *ax_f.get_xlim(), *ax_f.get_ylim()])
+    ax_f.plot([0, top], [0, top], color="#999999", lw=1, ls=":", label="α = 1/std", zorder=1)
+    ax_f.set_xlim(0, top)
+    ax_f.set_ylim(0, top)
+    ax_f.set_title("per layer (lighter = earlier)" + ("\n" + "; ".join(correlations) if correlations else ""))
     ax_f.legend(loc="lower right", frameon=False)
     fig.suptitle(title or f"{runs[0].title}: DyT's α and 1/std of its input")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
