@@ -10,9 +10,10 @@ SEEDS  ?=
 LAUNCHER ?=
 TABLES := $(sort $(basename $(notdir $(wildcard configs/table/*.yaml))))
 TABLE_ARGS = --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(LAUNCHER),--launcher $(LAUNCHER))
+FIGURES := $(sort $(basename $(notdir $(wildcard configs/figure/*.yaml))))
 
 .PHONY: help install demo test test-slow test-demos test-all lint format clean-runs tables dashboard bench gpu-check \
-	$(addprefix table-,$(TABLES))
+	$(addprefix table-,$(TABLES)) figures $(addprefix figure-,$(FIGURES))
 
 help:
 	@echo "make install    create $(VENV) and install normexp with its dev extras, at the tested versions"
@@ -27,6 +28,9 @@ help:
 	@echo "make table-<id> run what a paper table needs, then render it [SCALE=smoke|full] [SEEDS=0,1,2]"
 	@echo "                [LAUNCHER=slurm]; tables: $(TABLES)"
 	@echo "make tables     every table (one after another; the others go on when one has a failed run)"
+	@echo "make figure-<id> run what a paper figure needs (shared with the tables), analyse, render it to"
+	@echo "                results/figures/<id>.png [SCALE=...] [SEEDS=...] [LAUNCHER=...]; figures: $(FIGURES)"
+	@echo "make figures    every figure (one after another)"
 	@echo "make dashboard  import every run record into MLflow and serve its UI on http://127.0.0.1:5000"
 	@echo "make bench      normalizer and training-step benchmarks at a small size -> results/bench/*.md"
 	@echo "make gpu-check  on a CUDA machine: fused kernels, bf16, ViT-S steps, a torchrun kill/resume run"
@@ -69,6 +73,12 @@ $(addprefix table-,$(TABLES)): table-%: install
 
 tables: install
 	@status=0; for t in $(TABLES); do $(PY) -m normexp table run $$t $(TABLE_ARGS) || status=1; done; exit $$status
+
+$(addprefix figure-,$(FIGURES)): figure-%: install
+	$(PY) -m normexp figure run $* $(TABLE_ARGS)
+
+figures: install
+	@status=0; for f in $(FIGURES); do $(PY) -m normexp figure run $$f $(TABLE_ARGS) || status=1; done; exit $$status
 
 dashboard: install
 	$(PY) -m normexp dashboard

@@ -1,7 +1,8 @@
 """``normexp [group=option ...] [key=value ...]``: compose the config, then run it (a Hydra app).
 
 ``normexp <command> ...`` runs one of the tools instead: ``table`` (paper tables), ``compare`` (compare run
-records), ``dashboard`` (MLflow's UI over every record), ``sync`` (upload offline W&B runs);
+records), ``dashboard`` (MLflow's UI over every record), ``sync`` (upload offline W&B runs), ``analyze`` (look
+inside a trained run), ``figure`` (the papers' figures from their runs);
 ``normexp <command> --help`` says more.
 
 Every mistake on the command line -- an unknown option or key, an override Hydra cannot parse, a value the
@@ -37,7 +38,8 @@ log = logging.getLogger("normexp")
 
 # ``normexp <command>``: tools that are not training runs (a Hydra override always contains '=').
 COMMANDS = {"table": "normexp.tables.cli", "compare": "normexp.compare", "dashboard": "normexp.dashboard",
-            "sync": "normexp.sync"}
+            "sync": "normexp.sync", "analyze": "normexp.analysis.cli",
+            "figure": "normexp.analysis.figures"}
 # overrides that place the run directory themselves: then it is used as given, never swapped for another
 DIRECTORY_OVERRIDES = ("hydra.run.dir=", "hydra.sweep.dir=", "hydra.sweep.subdir=")
 

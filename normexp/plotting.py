@@ -2,7 +2,8 @@
 
 ``norm_color("dyt")`` is DyT's colour wherever DyT appears (tables' bars and curves, and any later figure);
 variants of one normalizer in one figure (DyT's squash functions, alpha settings) share its colour and differ
-by hatch (bars) or line style (curves), in the order they first appear (:func:`member_styles`).
+by hatch (bars) or line style (curves), in the order they first appear (:func:`member_styles`), or by
+lightness where order means depth (:func:`shades`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ LINESTYLES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 
 
 def norm_color(name: str | None) -> str:
     """The colour of normalizer ``name`` (``norm.name``), the same in every figure."""
-    if name in NORM_COLORS:
-        return NORM_COLORS[name]
-    return _SPARE[zlib.crc32(str(name).encode()) % len(_SPARE)]
+    key = str(name).lower()
+    if key in NORM_COLORS:
+        return NORM_COLORS[key]
+    return _SPARE[zlib.crc32(key.encode()) % len(_SPARE)]
 
 
 def member_styles(members: Iterable[tuple[str | None, Hashable]]) -> dict[Hashable, dict[str, Any]]:
@@ -44,3 +46,18 @@ def member_styles(members: Iterable[tuple[str | None, Hashable]]) -> dict[Hashab
         styles[member] = {"color": norm_color(norm), "hatch": HATCHES[k % len(HATCHES)],
                           "linestyle": LINESTYLES[k % len(LINESTYLES)]}
     return styles
+
+
+def shades(color: str, n: int, lightest: float = 0.75) -> list[str]:
+    """``n`` shades of ``color`` from light (mixed ``lightest`` with white) to the colour itself: one hue
+    per normalizer, its depth or order shown by lightness."""
+    from matplotlib.colors import to_hex, to_rgb
+
+    rgb = to_rgb(color)
+    if n == 1:
+        return [to_hex(rgb)]
+    out = []
+    for i in range(n):
+        w = lightest * (1 - i / (n - 1))  # share of white
+        out.append(to_hex(tuple(c * (1 - w) + w for c in rgb)))
+    return out

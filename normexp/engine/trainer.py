@@ -48,6 +48,7 @@ from ..data.loaders import set_epoch
 from ..errors import Diverged, Interrupted, UserError
 from ..tracking.provenance import config_hash
 from ..tracking.records import RunRecord
+from .alpha_probe import alpha_probe
 from .checkpoint import checkpoint_file, load_checkpoint, load_model_state, save_checkpoint
 from .evaluate import classification_metrics, count_predictions, show_progress
 from .precision import Precision, resolve_device
@@ -279,6 +280,7 @@ class Trainer:
                     self.metrics = {"final": final, "best": best, "reported": self.reported(final)}
                     log.info("epoch %d/%d  %s", epoch + 1, self.cfg.epochs,
                              "  ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
+                row.update(alpha_probe(self.module, self.data.val))  # DyT's alpha, its input's std: per layer
                 self.record.log(row)
                 self.epoch, self.batch = epoch + 1, 0
                 if self.cfg.checkpoint:

@@ -207,8 +207,11 @@ class _LeViTNorms:
         return self.stage_layouts[stage - 1 if kv else stage]
 
     def norm_context(self, name: str) -> NormContext:
-        """Context for the norm slot ``name``: its block index, head count and token layout."""
-        channels = self.get_submodule(name).num_features
+        """Context for the norm slot ``name``: its block index, head count and token layout (also once a
+        normalizer is in the slot: the analysis asks after the placement)."""
+        slot = self.get_submodule(name)
+        channels = getattr(slot, "num_features", None) or getattr(slot, "dim", None) \
+            or slot.normalized_shape[-1]
         parts = name.split(".")
         if parts[0] == "stages":
             stage = int(parts[1])

@@ -286,18 +286,26 @@ def with_checkpoint_model(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def run_robustness(cfg: Any, record: RunRecord) -> dict[str, Any]:
-    state = load_checkpoint(cfg.task.checkpoint)
+def load_trained_model(source: str | Path, backbone_cfg: Any, norm_cfg: Any,
+                       ema: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+    """The model of a run directory or checkpoint file, built from ``backbone_cfg`` / ``norm_cfg`` with the
+    checkpoint's weights (its EMA weights with ``ema``), and the checkpoint's state."""
+    state = load_checkpoint(source)
     weights = state.get("model", state) if isinstance(state, dict) else state
-    if cfg.task.ema:
+    if ema:
         weights = state.get("ema") if isinstance(state, dict) else None
         if weights is None:
-            raise UserError(f"checkpoint '{cfg.task.checkpoint}' has no EMA weights (trained with "
+            raise UserError(f"checkpoint '{source}' has no EMA weights (trained with "
                             "trainer.ema.enabled=false): drop task.ema=true")
-    model = build_backbone(cfg.backbone, cfg.norm)
-    load_model_state(model, weights, str(cfg.task.checkpoint))
+    model = build_backbone(backbone_cfg, norm_cfg)
+    load_model_state(model, weights, str(source))
+    return model, state if isinstance(state, dict) else {}
+
+
+def run_robustness(cfg: Any, record: RunRecord) -> dict[str, Any]:
+    model, state = load_trained_model(cfg.task.checkpoint, cfg.backbone, cfg.norm, cfg.task.ema)
     record.update(params=count_params(model))
-    epoch = state.get("epoch") if isinstance(state, dict) else None
+    epoch = state.get("epoch")
     log.info("evaluating %s (%s with norm=%s, epoch %s%s)", cfg.task.checkpoint, cfg.backbone.name,
              cfg.norm.name, epoch, ", EMA weights" if cfg.task.ema else "")
     precision = Precision(cfg.trainer.amp, resolve_device(cfg.trainer.device, distributed.info().local_rank))

@@ -1,0 +1,179 @@
+"""``normexp analyze``: look inside a trained run (its norm slots, DyT's alpha, token magnitudes, attention).
+
+    normexp analyze <run dir> [--figures io,alpha,tokens,attention] [--images 16] [--seed 0]
+                    [--slots 'blocks.*.norm1'] [--max-slots 36] [--token-slot NAME] [--no-ema]
+
+Rebuilds the model from the run's record (resolved config + checkpoint; EMA weights when the run kept an
+EMA, ``--no-ema`` for the raw ones), runs a fixed, seeded set of validation images through it with every norm
+slot hooked, and writes ``<run dir>/analysis/``: one PNG per figure and the numbers behind it --
+
+* ``io.png`` / ``io_channels.png`` + ``io.json`` (fit per slot) + ``io_points.csv`` (every plotted point):
+  input vs output (before the slot's affine) of every norm slot, points of a few tokens / of the channels
+  with the largest inputs in colour, the fit ``a tanh(bx) + c`` with its R^2 beside a straight line's, and the
+  saturated fraction; DyT slots also draw their own ``tanh(alpha x)`` (DyT arXiv 2503.10622 Figs. 2, 4);
+* ``alpha.png`` + ``alpha.csv`` + ``alpha_history.csv`` (runs with DyT): alpha against 1/std of each layer's
+  input, and both over the epochs from ``metrics.jsonl`` (DyT Fig. 8);
+* ``tokens.png`` + ``tokens.json``: per-head token magnitudes at the input and output of a norm slot
+  (``--token-slot``; default the first block's first norm) for the first image (DTN arXiv 2112.02624 Fig. 1);
+* ``attention.png`` + ``attention.csv``: mean attention distance per head and layer (the DTN README's
+  ``DTN_Head.png``; ViT arXiv 2010.11929 Fig. 7);
+* ``summary.json``: the run, the weights, the images, the files, and a note for every figure that does not
+  apply to this model (no DyT layer; no global attention).
+
+Everything is computed before anything is written, into a temporary directory renamed over ``analysis/``: a
+failure leaves the previous analysis whole. Bad input (no run directory, no checkpoint, a diverged run, an
+unknown figure) is one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError, one_line
+from .core import ANALYSES, MAX_IO_SLOTS, RunAnalysis, analyse, load_run
+from .render import (
+    Shown,
+    _write_json,
+    alpha_history_rows,
+    io_point_rows,
+    plot_alpha,
+    plot_attention,
+    plot_io,
+    plot_tokens,
+    write_rows,
+)
+
+
+def parse_figures(text: str | None) -> list[str]:
+    if not text:
+        return list(ANALYSES)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ANALYSES]
+    if unknown or not names:
+        raise UserError(f"unknown figure(s) {unknown or [text]}; available: {', '.join(ANALYSES)}")
+    return names
+
+
+def write_analysis(analysis: RunAnalysis, out: Path, label: str | None = None) -> list[str]:
+    """Render every part of ``analysis`` into ``out`` (an existing directory); return the files written."""
+    run = analysis.run
+    shown = Shown(label or f"{run.backbone} / {run.norm}", analysis)
+    files: list[str] = []
+
+    def note(path: Path) -> None:
+        files.append(path.name)
+
+    if analysis.io is not None:
+        slots = [n["slot"] for n in analysis.io_numbers or []]
+        caption = (f"{len(analysis.images)} validation images; outputs before the slot's per-channel affine; "
+                   "grey: a uniform sample of elements; saturated: |b x| > 2")
+        rows = plot_io([shown], [slots], out / "io.png", "token", caption=caption)
+        note(out / "io.png")
+        plot_io([shown], [slots], out / "io_channels.png", "channel", caption=caption)
+        note(out / "io_channels.png")
+        write_rows(out / "io.json", rows)
+        note(out / "io.json")
+        write_rows(out / "io_points.csv", io_point_rows([shown], [slots]))
+        note(out / "io_points.csv")
+    if analysis.alpha:
+        write_rows(out / "alpha.csv", plot_alpha([shown], out / "alpha.png"))
+        note(out / "alpha.png")
+        note(out / "alpha.csv")
+        write_rows(out / "alpha_history.csv", alpha_history_rows([shown]))
+        note(out / "alpha_history.csv")
+    if analysis.tokens is not None:
+        write_rows(out / "tokens.json", plot_tokens([shown], out / "tokens.png"))
+        note(out / "tokens.png")
+        note(out / "tokens.json")
+    if analysis.attention is not None and analysis.attention.layers:
+        caption = "; ".join(analysis.attention.notes)
+        write_rows(out / "attention.csv", plot_attention([shown], out / "attention.png", caption=caption))
+        note(out / "attention.png")
+        note(out / "attention.csv")
+    return files
+
+
+def run_summary(analysis: RunAnalysis, figures: list[str], seed: int, files: list[str]) -> dict[str, Any]:
+    run = analysis.run
+    return {"run": str(run.dir), "backbone": run.backbone, "norm": run.norm,
+            "weights": "EMA" if run.ema else "model", "epoch": run.epoch, "top1": run.top1,
+            "figures": figures, "images": {"count": len(analysis.images), "seed": seed,
+                                           "val_indices": analysis.image_indices},
+            "image_px": list(analysis.image_size), "slots": analysis.slots, "files": files,
+            "notes": analysis.notes}
+
+
+def analyze(run_dir: str | Path, figures: list[str], images: int, seed: int, ema: bool | None = None,
+            token_slot: str | None = None, device: str = "cpu", slots: list[str] | None = None,
+            max_slots: int | None = MAX_IO_SLOTS) -> tuple[Path, dict[str, Any]]:
+    """Analyse ``run_dir`` and write ``<run_dir>/analysis/`` whole (see the module docstring)."""
+    if images < 1:
+        raise UserError(f"--images must be at least 1, got {images}")
+    if max_slots is not None and max_slots < 1:
+        raise UserError(f"--max-slots must be at least 1, got {max_slots}")
+    run = load_run(run_dir, ema=ema)
+    analysis = analyse(run, figures, images=images, seed=seed, token_slot=token_slot, device=device,
+                       io_patterns=slots, io_max=max_slots)
+    final = run.dir / "analysis"
+    tmp = Path(tempfile.mkdtemp(prefix=".analysis-", dir=run.dir))
+    try:
+        files = write_analysis(analysis, tmp)
+        summary = run_summary(analysis, figures, seed, files + ["summary.json"])
+        _write_json(tmp / "summary.json", summary)
+        old = None
+        if final.exists():
+            old = run.dir / f".analysis-old-{os.getpid()}"
+            final.rename(old)
+        tmp.rename(final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final, summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="normexp analyze", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", help="a run directory (with config.yaml and checkpoint.pth)")
+    parser.add_argument("--figures", default=None,
+                        help=f"comma-separated, of {','.join(ANALYSES)} (default: all)")
+    parser.add_argument("--images", type=int, default=16, help="validation images to run (default 16)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the image sample and the point samples")
+    parser.add_argument("--token-slot", default=None, help="the norm slot of the tokens figure "
+                        "(default: the first block's first norm)")
+    parser.add_argument("--slots", default=None, help="io: comma-separated fnmatch patterns of the norm "
+                        "slots to draw, e.g. 'blocks.*.norm1' (default: every slot)")
+    parser.add_argument("--max-slots", type=int, default=MAX_IO_SLOTS,
+                        help=f"io: at most this many slots, evenly spaced in depth (default {MAX_IO_SLOTS})")
+    parser.add_argument("--no-ema", action="store_true",
+                        help="the model's weights even when the run kept an EMA")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        figures = parse_figures(args.figures)
+        out, summary = analyze(args.run, figures, args.images, args.seed, ema=False if args.no_ema else None,
+                               token_slot=args.token_slot, device=args.device,
+                               slots=args.slots.split(",") if args.slots else None, max_slots=args.max_slots)
+    except UserError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    print(f"{summary['backbone']} with norm={summary['norm']} ({summary['weights']} weights, epoch "
+          f"{summary['epoch']}), {summary['images']['count']} images: {time.perf_counter() - start:.1f} s")
+    for figure, notes in summary["notes"].items():
+        for line in notes:
+            print(f"note ({figure}): {line}")
+    print(f"wrote {out}/: {', '.join(summary['files'])}")
+
+
+if __name__ == "__main__":
+    main()

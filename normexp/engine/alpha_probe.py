@@ -1,0 +1,84 @@
+"""Per-epoch log of every scalar-alpha norm layer (DyT, Derf): its alpha and the std of its input.
+
+DyT (Zhu et al., CVPR 2025, arXiv 2503.10622, Sec. 6.2, Fig. 8 left) shows alpha following 1/std of the
+layer's input activations over training. :func:`alpha_probe` measures both at an epoch end: one forward
+pass, in eval mode and without gradients, of a fixed probe batch (``PROBE_IMAGES`` validation images at
+evenly spaced indices: the same images every epoch), with a forward hook on each layer that has a
+one-element ``alpha``. It returns ``{"alpha/<slot>": alpha, "alpha_input_std/<slot>": std}`` for the epoch's
+row of ``metrics.jsonl`` -- nothing for a model without such layers. The model's mode is restored, and no
+random number is drawn: training numbers are those of a run without the probe.
+
+Cost: one forward pass of 16 images per epoch. Measured on 2 shared CPU cores with the digits demo's micro ViT
+and DyT: 0.5-1.2 s against a training epoch of 160 s on that (heavily loaded) machine, under 1 % of the
+epoch; the ratio only falls for larger data sets. So it is always on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+PROBE_IMAGES = 16
+ALPHA_KEY, STD_KEY = "alpha/", "alpha_input_std/"
+
+
+def scalar_alpha_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers with one scalar ``alpha`` (parameter or buffer), outermost first, in module order."""
+    found = []
+    for name, module in model.named_modules():
+        alpha = getattr(module, "alpha", None)
+        if name and isinstance(alpha, torch.Tensor) and alpha.numel() == 1:
+            found.append((name, module))
+    return found
+
+
+def probe_batch(dataset: Any, count: int = PROBE_IMAGES) -> torch.Tensor | None:
+    """``count`` images of ``dataset`` at evenly spaced indices (unreadable ones skipped), stacked."""
+    n = len(dataset)
+    if n == 0:
+        return None
+    indices = sorted({round(i * (n - 1) / max(count - 1, 1)) for i in range(min(count, n))})
+    images = []
+    for i in indices:
+        item = dataset[i]
+        if item is None:  # an unreadable image (data.on_bad_image=skip)
+            continue
+        image, target = (item[0], item[1]) if isinstance(item, (tuple, list)) else (item, None)
+        if not isinstance(image, torch.Tensor) or image.dim() != 3 or isinstance(target, dict):
+            return None  # not image classification (detection: dict targets, any image size)
+        if images and image.shape != images[0].shape:
+            return None
+        images.append(image)
+    return torch.stack(images) if images else None
+
+
+@torch.no_grad()
+def alpha_probe(model: nn.Module, loader: Any) -> dict[str, float]:
+    """alpha and the std of the input of every scalar-alpha layer on the probe batch (see the module doc)."""
+    layers = scalar_alpha_layers(model)
+    if not layers:
+        return {}
+    batch = probe_batch(loader.dataset)
+    if batch is None:
+        return {}
+    stds: dict[str, float] = {}
+    handles = [module.register_forward_hook(
+        lambda _m, args, _out, _name=name: stds.__setitem__(_name, float(args[0].float().std())))
+        for name, module in layers]
+    was_training = model.training
+    try:
+        model.eval()
+        device = next(model.parameters()).device
+        model(batch.to(device))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    row = {}
+    for name, module in layers:
+        row[ALPHA_KEY + name] = float(module.alpha.detach().reshape(()))
+        if name in stds:
+            row[STD_KEY + name] = stds[name]
+    return row
