@@ -23,9 +23,10 @@ constructors and one yaml per size in ``configs/backbone/``. The rest of the sui
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
+from timm.layers import trunc_normal_
 from torch import nn
 
 from ..norms.layout import TokenLayout
@@ -68,3 +69,50 @@ class Backbone(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Parameter names exempt from weight decay (1-D parameters and biases always are)."""
         return set()
+
+
+class GridHook:
+    """Forward hook: the (H, W) of a module's output map becomes the grid of a :class:`TokenLayout` -- how a
+    stage tells its norm slots the grid its tokens lie on. Maps are (B, C, H, W), or (B, H, W, C) with
+    ``channels_last`` (Swin's stages).
+
+    A plain object rather than a closure so that ``copy.deepcopy(model)`` (EMA) copies it together with the
+    layout it writes, which the copied norm layers share.
+    """
+
+    def __init__(self, layout: TokenLayout, channels_last: bool = False) -> None:
+        self.layout, self.channels_last = layout, channels_last
+
+    def __call__(self, _module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+        h, w = output.shape[1:3] if self.channels_last else output.shape[-2:]
+        self.layout.set_grid(h, w)
+
+
+def vit_init(module: nn.Module) -> None:
+    """ViT's initialisation, applied by PVT's and T2T-ViT's code after construction (``model.apply``): Linear
+    trunc-normal(std 0.02) with zero bias, LayerNorm weight 1 and bias 0."""
+    if isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+class PlainBackbone(Backbone):
+    """A plain model (one token grid: ViT, T2T-ViT): ``features`` is ViTDet's simple pyramid over the last
+    block's grid tokens, built when the model is created with ``pyramid_scales`` (``self.pyramid``)."""
+
+    pyramid: nn.Module | None
+    token_layout: TokenLayout
+    num_prefix_tokens: int
+
+    def features(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """NCHW maps of the simple pyramid from the last block's grid tokens."""
+        if self.pyramid is None:
+            raise RuntimeError(f"build the {type(self).__name__} with pyramid_scales=(4, 2, 1, 0.5) to use "
+                               "features()")
+        tokens = self.forward_features(x)[:, self.num_prefix_tokens:]
+        h, w = self.token_layout.grid
+        return self.pyramid(tokens.transpose(1, 2).reshape(x.shape[0], -1, h, w))

@@ -65,7 +65,7 @@ from timm.models.levit import ConvNorm, Levit, LevitDistilled, LevitDownsample, 
 from torch import nn
 
 from ..norms.layout import TokenLayout
-from .base import Backbone, NormContext
+from .base import Backbone, GridHook, NormContext
 from .registry import register_model
 
 
@@ -134,16 +134,6 @@ def conv_stem(in_chans: int, out_chs: int, stride: int, act_layer: type[nn.Modul
     return stem
 
 
-class _MapGridHook:
-    """Forward hook on the stem: its (B, C, H, W) output sets stage 0's grid."""
-
-    def __init__(self, layout: TokenLayout) -> None:
-        self.layout = layout
-
-    def __call__(self, _module: nn.Module, _args: Any, output: torch.Tensor) -> None:
-        self.layout.set_grid(output.shape[-2], output.shape[-1])
-
-
 class _SubsampleGridHook:
     """Forward pre-hook on a subsample attention: the next stage's grid is the subsampled previous grid."""
 
@@ -181,7 +171,7 @@ class _LeViTNorms:
         # one token layout per stage; stage 0's grid from the stem, the next ones from each subsampling
         layouts = [TokenLayout(num_prefix_tokens=0) for _ in self.stages]
         self.stage_layouts = layouts
-        self.stem.register_forward_hook(_MapGridHook(layouts[0]))
+        self.stem.register_forward_hook(GridHook(layouts[0]))
         self._blocks: dict[str, tuple[int, int]] = {}  # module prefix -> (global block index, heads)
         for i, stage in enumerate(self.stages):
             if isinstance(stage.downsample, LevitDownsample):

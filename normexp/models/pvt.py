@@ -61,22 +61,8 @@ from timm.layers import DropPath, Mlp, to_2tuple, trunc_normal_, use_fused_attn
 from torch import nn
 
 from ..norms.layout import TokenLayout
-from .base import Backbone, NormContext
+from .base import Backbone, GridHook, NormContext, vit_init
 from .registry import register_model
-
-
-class GridHook:
-    """Forward hook: writes the (H, W) of a module's (B, C, H, W) output into a :class:`TokenLayout`.
-
-    A plain object rather than a closure so that ``copy.deepcopy(model)`` (EMA) copies it together with the
-    layout it writes, which the copied norm layers share.
-    """
-
-    def __init__(self, layout: TokenLayout) -> None:
-        self.layout = layout
-
-    def __call__(self, _module: nn.Module, _args: Any, output: torch.Tensor) -> None:
-        self.layout.set_grid(output.shape[-2], output.shape[-1])
 
 
 class PatchEmbed(nn.Module):
@@ -222,7 +208,7 @@ class PyramidVisionTransformer(Backbone):
         for i in range(num_stages):
             trunc_normal_(getattr(self, f"pos_embed{i + 1}"), std=0.02)
         trunc_normal_(self.cls_token, std=0.02)
-        self.apply(self._init_weights)
+        self.apply(vit_init)
 
         # Token layouts: one per stage for the stage's tokens (the last one with the class token in front)
         # and one per stage for the reduced grid the sr-branch norm sees; hooks keep their grids current.
@@ -237,16 +223,6 @@ class PyramidVisionTransformer(Backbone):
         if dtn_stages is not None:  # the DTN code's placement (pvt_norm.py)
             self.norm_keep = ["patch_embed*", "block*.attn.norm", "norm",
                               *(f"block{s}.*" for s in range(dtn_stages + 1, num_stages + 1))]
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:

@@ -39,8 +39,7 @@ from timm.models.pvt_v2 import OverlapPatchEmbed, PyramidVisionTransformerV2
 from torch import nn
 
 from ..norms.layout import TokenLayout
-from .base import Backbone, NormContext
-from .pvt import GridHook
+from .base import Backbone, GridHook, NormContext
 from .registry import register_model
 
 

@@ -44,21 +44,8 @@ from timm.models import swin_transformer as timm_swin
 from torch import nn
 
 from ..norms.layout import TokenLayout
-from .base import Backbone, NormContext
+from .base import Backbone, GridHook, NormContext
 from .registry import register_model
-
-
-class _GridHook:
-    """Forward hook: the (B, H, W, C) output of a stage's patch embedding sets the stage's token grid.
-
-    A plain object rather than a closure so that ``copy.deepcopy`` (EMA) keeps it tied to the copied layout.
-    """
-
-    def __init__(self, layout: TokenLayout) -> None:
-        self.layout = layout
-
-    def __call__(self, _module: nn.Module, _args: Any, output: torch.Tensor) -> None:
-        self.layout.set_grid(output.shape[1], output.shape[2])
 
 
 class PadThenShiftBlock(timm_swin.SwinTransformerBlock):
@@ -100,7 +87,7 @@ class Swin(timm_swin.SwinTransformer, Backbone):
         self._block_offset = []
         offset = 0
         for stage, layout in zip(self.layers, self.stage_layouts, strict=True):
-            stage.downsample.register_forward_hook(_GridHook(layout))
+            stage.downsample.register_forward_hook(GridHook(layout, channels_last=True))
             self._block_offset.append(offset)
             offset += len(stage.blocks)
         patch = self.patch_embed.patch_size[0]

@@ -66,7 +66,7 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from ..norms.layout import TokenLayout
-from .base import Backbone, NormContext
+from .base import NormContext, PlainBackbone, vit_init
 from .pyramid import SimpleFeaturePyramid
 from .registry import register_model
 
@@ -207,7 +207,7 @@ class TokensToToken(nn.Module):
         return self.project(self.soft_splits[-1](x))
 
 
-class T2TViT(Backbone):
+class T2TViT(PlainBackbone):
     """T2T-ViT: the tokens-to-token module, then a class-token ViT with a fixed sinusoidal position table."""
 
     def __init__(
@@ -259,23 +259,12 @@ class T2TViT(Backbone):
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
 
         trunc_normal_(self.cls_token, std=0.02)
-        self.apply(self._init_weights)
+        self.apply(vit_init)
         self.pyramid = None
         self.feature_channels, self.feature_strides = [], []
         if pyramid_scales is not None:
             self.pyramid = SimpleFeaturePyramid(embed_dim, self.stride, tuple(pyramid_scales))
             self.feature_channels, self.feature_strides = self.pyramid.channels, self.pyramid.strides
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        """ViT-style init: Linear trunc-normal 0.02 with zero bias; LayerNorm 1 / 0."""
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
@@ -315,14 +304,6 @@ class T2TViT(Backbone):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
-
-    def features(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """NCHW maps of the simple pyramid (needs ``pyramid_scales``) from the last block's grid tokens."""
-        if self.pyramid is None:
-            raise RuntimeError("build the T2T-ViT with pyramid_scales=(4, 2, 1, 0.5) to use features()")
-        tokens = self.forward_features(x)[:, self.num_prefix_tokens:]
-        h, w = self.token_layout.grid
-        return self.pyramid(tokens.transpose(1, 2).reshape(x.shape[0], -1, h, w))
 
 
 def _t2t(arch: dict[str, Any], **kwargs: Any) -> T2TViT:

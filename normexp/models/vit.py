@@ -34,12 +34,12 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..norms.layout import TokenLayout
-from .base import Backbone, NormContext
+from .base import NormContext, PlainBackbone
 from .pyramid import SimpleFeaturePyramid
 from .registry import register_model
 
 
-class ViT(VisionTransformer, Backbone):
+class ViT(VisionTransformer, PlainBackbone):
     """timm's ViT that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
     def __init__(self, dtn_blocks: int | None = None, pyramid_scales: tuple[float, ...] | None = None,
@@ -95,14 +95,6 @@ class ViT(VisionTransformer, Backbone):
         x = self.blocks[: self.dtn_blocks](x)
         x = self.blocks[self.dtn_blocks :](torch.cat([prefix, x], dim=1))
         return self.norm(x)
-
-    def features(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """NCHW maps of the simple pyramid (needs ``pyramid_scales``) from the last block's grid tokens."""
-        if self.pyramid is None:
-            raise RuntimeError("build the ViT with pyramid_scales=(4, 2, 1, 0.5) to use features()")
-        tokens = self.forward_features(x)[:, self.num_prefix_tokens:]
-        h, w = self.token_layout.grid
-        return self.pyramid(tokens.transpose(1, 2).reshape(x.shape[0], -1, h, w))
 
 
 def _vit(arch: dict[str, Any], **kwargs: Any) -> ViT:
