@@ -22,16 +22,18 @@ the task's settings); their builders refuse what they cannot use. ``data`` has o
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
 import typing
 from collections.abc import Callable, Iterator
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass, make_dataclass
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass, make_dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from . import CONFIG_DIR
 from .errors import UserError
 
 INT64_MAX = 2**63 - 1
@@ -74,66 +76,106 @@ def _optimizer(value: str) -> str | None:
         "see timm.optim.list_optimizers())"
 
 
+# The trainer's defaults have one source, configs/trainer/default.yaml (where each is documented): the
+# schema below gives each key its type and checks, and takes its default from that file at import.
+TRAINER_YAML = CONFIG_DIR / "trainer" / "default.yaml"
+TRAINER_DEFAULTS: dict[str, Any] = OmegaConf.to_container(OmegaConf.load(TRAINER_YAML))
+
+
+def _check(**check: Any) -> Any:
+    """A field's checks (see ``rng``) without a default: ``defaults_from`` gives it one."""
+    return field(metadata=check)
+
+
+def defaults_from(values: dict[str, Any]) -> Callable[[type], type]:
+    """Class decorator, below ``@dataclass``: every field's default is its value in ``values`` (unresolved).
+    A field ``values`` lacks, or a key of ``values`` with no field, is an error at import: the two cannot
+    drift apart. A field with a default of its own (a nested schema) keeps it."""
+
+    def apply(cls: type) -> type:
+        names = list(cls.__dict__.get("__annotations__", {}))
+        if set(names) != set(values):
+            raise RuntimeError(f"{cls.__name__} and its defaults differ: fields without a default "
+                               f"{sorted(set(names) - set(values))}, defaults without a field "
+                               f"{sorted(set(values) - set(names))}")
+        for name in names:
+            f = cls.__dict__.get(name)
+            f = f if isinstance(f, Field) else field()
+            if f.default is MISSING and f.default_factory is MISSING:
+                value = values[name]
+                if isinstance(value, (list, dict)):
+                    f.default_factory = lambda value=value: copy.deepcopy(value)
+                else:
+                    f.default = value
+            setattr(cls, name, f)
+        return cls
+
+    return apply
+
+
 @dataclass
+@defaults_from(TRAINER_DEFAULTS["mixup"])
 class MixupSchema:
-    mixup_alpha: float = _f(0.0, **rng(0))
-    cutmix_alpha: float = _f(0.0, **rng(0))
-    prob: float = _f(1.0, **rng(0, 1))
-    switch_prob: float = _f(0.5, **rng(0, 1))
-    mode: str = _f("batch", choices=["batch", "pair", "elem"])
+    mixup_alpha: float = _check(**rng(0))
+    cutmix_alpha: float = _check(**rng(0))
+    prob: float = _check(**rng(0, 1))
+    switch_prob: float = _check(**rng(0, 1))
+    mode: str = _check(choices=["batch", "pair", "elem"])
 
 
 @dataclass
+@defaults_from(TRAINER_DEFAULTS["ema"])
 class EmaSchema:
-    enabled: bool = False
-    decay: float = _f(0.99996, **rng(0, 1))
-    warmup: bool = False
-    reported: bool = False
+    enabled: bool
+    decay: float = _check(**rng(0, 1))
+    warmup: bool
+    reported: bool
 
 
 @dataclass
+@defaults_from(TRAINER_DEFAULTS)
 class TrainerSchema:
-    epochs: int = _f(30, **rng(1))
-    device: str = _f("auto", check=_device)
-    amp: str | None = _f(None, choices=["bf16", "fp16", None])
-    opt: str = _f("adamw", check=_optimizer)
-    lr: float = _f(2e-3, above=0)
-    lr_base_size: int | None = _f(None, **rng(1))
-    lr_scale_warmup_min: bool = True
-    weight_decay: float = _f(0.05, **rng(0))
-    decay_norm_and_bias: bool = False
-    opt_eps: float = _f(1e-8, above=0)
-    betas: list[float] = _f([0.9, 0.999], length=2, items=rng(0, below=1))
-    sched: str = _f("cosine", choices=["cosine", "multistep", "step", "plateau", "poly", "tanh"])
-    sched_on: str = _f("update", choices=["update", "epoch"])
-    sched_lag: int = _f(0, **rng(0, 1))
-    warmup_prefix: bool = False
-    cooldown_epochs: int = _f(0, **rng(0))
-    decay_milestones: list[int] | None = _f(None, items=rng(0))
-    decay_rate: float = _f(0.1, above=0)
-    warmup_epochs: float = _f(3, **rng(0))
-    warmup_iters: int | None = _f(None, **rng(0))
-    warmup_lr: float = _f(1e-6, **rng(0))
-    min_lr: float = _f(1e-5, **rng(0))
-    smoothing: float = _f(0.1, **rng(0, below=1))
+    epochs: int = _check(**rng(1))
+    device: str = _check(check=_device)
+    amp: str | None = _check(choices=["bf16", "fp16", None])
+    opt: str = _check(check=_optimizer)
+    lr: float = _check(above=0)
+    lr_base_size: int | None = _check(**rng(1))
+    lr_scale_warmup_min: bool
+    weight_decay: float = _check(**rng(0))
+    decay_norm_and_bias: bool
+    opt_eps: float = _check(above=0)
+    betas: list[float] = _check(length=2, items=rng(0, below=1))
+    sched: str = _check(choices=["cosine", "multistep", "step", "plateau", "poly", "tanh"])
+    sched_on: str = _check(choices=["update", "epoch"])
+    sched_lag: int = _check(**rng(0, 1))
+    warmup_prefix: bool
+    cooldown_epochs: int = _check(**rng(0))
+    decay_milestones: list[int] | None = _check(items=rng(0))
+    decay_rate: float = _check(above=0)
+    warmup_epochs: float = _check(**rng(0))
+    warmup_iters: int | None = _check(**rng(0))
+    warmup_lr: float = _check(**rng(0))
+    min_lr: float = _check(**rng(0))
+    smoothing: float = _check(**rng(0, below=1))
     mixup: MixupSchema = field(default_factory=MixupSchema)
     ema: EmaSchema = field(default_factory=EmaSchema)
-    clip_grad: float | None = _f(None, above=0)
-    clip_mode: str = _f("norm", choices=["norm", "value", "agc"])
-    max_loss: float | None = _f(None, above=0)
-    eval_interval: int = _f(1, **rng(1))
-    best_metric: str = "val/top1"  # one of the task's metrics: checked against the task below
-    log_interval: int = _f(50, **rng(0))
-    checkpoint: bool = True
-    checkpoint_interval: int = _f(0, **rng(0))
-    resume: str | None = None
-    progress: Any = _f("auto", choices=["auto", True, False])
-    accum_steps: int = _f(1, **rng(1))
-    global_batch: int | None = _f(None, **rng(1))
-    sync_bn: bool = False
-    find_unused_parameters: bool = False
-    compile: bool = False
-    channels_last: bool = False
+    clip_grad: float | None = _check(above=0)
+    clip_mode: str = _check(choices=["norm", "value", "agc"])
+    max_loss: float | None = _check(above=0)
+    eval_interval: int = _check(**rng(1))
+    best_metric: str  # one of the task's metrics: checked against the task below
+    log_interval: int = _check(**rng(0))
+    checkpoint: bool
+    checkpoint_interval: int = _check(**rng(0))
+    resume: str | None
+    progress: Any = _check(choices=["auto", True, False])
+    accum_steps: int = _check(**rng(1))
+    global_batch: int | None = _check(**rng(1))
+    sync_bn: bool
+    find_unused_parameters: bool
+    compile: bool
+    channels_last: bool
 
 
 @dataclass

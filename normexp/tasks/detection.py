@@ -119,14 +119,27 @@ def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
     backbone = dict(trained["backbone"])
     if "drop_path_rate" in cfg.backbone:
         backbone["drop_path_rate"] = cfg.backbone.drop_path_rate
-    backbone_file = CONFIG_DIR / "backbone" / f"{backbone['name']}.yaml"
-    if backbone_file.is_file():
-        backbone["dense"] = OmegaConf.to_container(OmegaConf.load(backbone_file)).get("dense")
+    if (CONFIG_DIR / "backbone" / f"{backbone['name']}.yaml").is_file():
+        backbone["dense"] = _shipped_backbone(backbone["name"]).get("dense")
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
         cfg.backbone = backbone
         cfg.norm = trained["norm"]
     return cfg
+
+
+def _shipped_backbone(name: str) -> dict[str, Any]:
+    """``backbone=<name>`` as the config tree composes it (its family file included), unresolved."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    def composed() -> dict[str, Any]:
+        return OmegaConf.to_container(compose(config_name=f"backbone/{name}").backbone)
+
+    if GlobalHydra.instance().is_initialized():  # inside the command line's Hydra app
+        return composed()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return composed()
 
 
 def build_detection_model(cfg: Any, num_classes: int, record: RunRecord | None = None) -> nn.Module:
