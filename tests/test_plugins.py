@@ -142,3 +142,24 @@ def test_a_users_table_runs(user_dir):
     assert runs["ln"]["params"] == mixer_params(2 * WIDTH)
     table = (results / "mytable.md").read_text()
     assert "scaled_rms" in table and str(mixer_params(WIDTH + 1)) in table
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["torchrun", "submitit_local"])
+def test_every_process_of_a_job_has_the_plugins(user_dir, launch):
+    """Two torchrun workers, and a job of submitit's local executor: each imports the plugins itself."""
+    args = [*command(0, user_dir), "logger=none", "trainer.progress=false"]
+    if launch == "torchrun":
+        env = {**os.environ, "PYTHONPATH": ".", "NORMEXP_OUTPUT_DIR": str(user_dir / "out"),
+               "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                              "--master_port=29531", "-m", "normexp", *args, "trainer.device=cpu",
+                              "data.batch_size=32"], cwd=user_dir, env=env, capture_output=True, text=True,
+                             timeout=900)
+    else:
+        out = normexp(user_dir, "-m", "launcher=submitit_local", *args)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (run,) = records(user_dir / "out")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["params"] == mixer_params(WIDTH + 1)
+    assert summary.get("world_size", 1) == (2 if launch == "torchrun" else 1)
