@@ -23,7 +23,9 @@ import pytest
 import yaml
 from conftest import ROOT
 
+from normexp.errors import UserError
 from normexp.plugins import load_plugin
+from normexp.tables.spec import list_tables, load_scale, load_table, searchpath_of
 
 SECTION = "## Extending normexp"
 PYTHON = "PYTHONPATH=. python -m normexp "
@@ -127,6 +129,16 @@ def test_a_plugin_that_fails_says_where(tmp_path):
                                         r"\(.*broken\.py:2\)"):
         load_plugin(str(tmp_path / "broken.py"))
     assert "broken" not in sys.modules
+
+
+def test_a_users_tables_and_scales_are_found_on_the_search_path(user_dir):
+    searchpath = searchpath_of(command(1, user_dir))
+    assert searchpath == (f"file://{user_dir / 'configs'}",)
+    assert load_table("mytable", searchpath).rows == ("norm.name",)
+    assert load_scale("one_epoch", searchpath).overrides["classification"][0] == "trainer.epochs=1"
+    assert "mytable" in list_tables(searchpath) and "mytable" not in list_tables()
+    with pytest.raises(UserError, match=r"no table 'mytabel' .*available: .*mytable"):
+        load_table("mytabel", searchpath)
 
 
 @pytest.mark.slow

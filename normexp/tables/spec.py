@@ -54,7 +54,7 @@ def config_dirs(searchpath: Iterable[str] = ()) -> list[Path]:
     ``pkg://<package>``) -- Hydra's order: where two hold the same name, the first wins, as in Hydra."""
     dirs = [CONFIG_DIR]
     for entry in searchpath:
-        scheme, _, where = entry.partition("://")
+        scheme, _, where = entry.partition("://") if "://" in entry else ("file", "", entry)  # as Hydra
         if scheme == "file":
             dirs.append(Path(where))
         elif scheme == "pkg":
