@@ -158,7 +158,8 @@ def continue_hint(cfg: DictConfig) -> str:
     program = "python -m normexp" if Path(sys.argv[0]).name == "__main__.py" else Path(sys.argv[0]).name
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         program = "torchrun <its options> -m normexp"
-    hydra_args = ("hydra.output_subdir=", "hydra/job_logging=", "hydra.job_logging.")  # added for ranks > 0
+    # added for ranks > 0
+    hydra_args = ("hydra.output_subdir=", "hydra/job_logging=", "hydra.job_logging.", "~hydra.job_logging.")
     args = [a for a in sys.argv[1:] if not a.startswith(hydra_args)]
     return f"the same command continues it: {program} {shlex.join(args)}".rstrip()
 
@@ -216,8 +217,9 @@ def join_job() -> None:
     world = distributed.init_distributed("cpu" if cpu else "auto")
     os.environ["NORMEXP_RUN_STAMP"] = distributed.broadcast_object(os.environ["NORMEXP_RUN_STAMP"])
     if not world.is_main:
+        # stdout logging only: train.yaml's settings of the file handler would name a handler it lacks
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout",
-                     "hydra.job_logging.root.level=WARNING"]
+                     "~hydra.job_logging.handlers.file", "hydra.job_logging.root.level=WARNING"]
 
 
 def main() -> None:

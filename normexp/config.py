@@ -2,7 +2,9 @@
 
 ``validate(cfg)`` checks, before any model, data or file is built:
 
-1. every interpolation resolves;
+1. every interpolation resolves; then the plugins are imported (``normexp.plugins``: the installed
+   packages' and the config's ``plugins``), so that a user's normalizers and backbones are registered in
+   every process that validates -- every process that builds a model -- before any name is looked up;
 2. every value fits the schema -- the dataclasses below (the top level, the trainer, each dataset) and each
    normalizer's options, derived from its constructor (``normexp.norms.registry.hyperparameters``): types,
    ranges, choices; unknown keys are refused; every float is finite and every integer fits in 64 bits;
@@ -35,6 +37,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from . import CONFIG_DIR
 from .errors import UserError
+from .plugins import load_plugins
 
 INT64_MAX = 2**63 - 1
 
@@ -258,6 +261,7 @@ class RunSchema:
     seed: int = _f(0, **rng(0, INT64_MAX))
     name: str = "???"
     tags: list[str] = field(default_factory=list)
+    plugins: list[str] = field(default_factory=list)  # modules or .py files: normexp.plugins
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
     backbone: dict[str, Any] = field(default_factory=dict)
     norm: dict[str, Any] = field(default_factory=dict)
@@ -526,6 +530,7 @@ def validate(cfg: DictConfig, environment: bool = True) -> None:
     values = resolve(cfg)
     _check_numbers(values, "")
     fit_schema(RunSchema, values, "")
+    load_plugins(values["plugins"])  # a user's normalizers and backbones, before any name is looked up
     data_schema = DATA_SCHEMAS.get(values["data"].get("name"))
     if data_schema is not None:
         fit_schema(data_schema, values["data"], "data")

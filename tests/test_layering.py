@@ -11,7 +11,7 @@ from conftest import ROOT
 # bottom first; a unit is a top-level module or subpackage of normexp
 LAYERS = [
     {"__init__", "errors", "distributed", "plotting"},
-    {"tracking", "metrics", "norms"},
+    {"tracking", "metrics", "norms", "plugins"},
     {"models", "data"},
     {"engine"},
     {"tasks"},

@@ -4,6 +4,11 @@
     normexp table run dyt_squash --scale smoke [--seeds 0,1,2] [--launcher slurm] [key=value ...]
     normexp table run dtn_vit --scale full --dry-run     # the runs and their key settings, nothing launched
     normexp table render dyt_squash --scale smoke         # re-render from the run records only
+    normexp table run mytable plugins=[mynorms] hydra.searchpath=[file://$PWD/configs]   # your own table
+
+A table or scale name is looked up in normexp's ``configs/`` and then in the directories of
+``hydra.searchpath`` (your own ``configs/table/<id>.yaml``); every override, ``plugins=`` and
+``hydra.searchpath=`` included, reaches every run the table launches.
 
 ``run`` plans the table (which runs it needs, which are done), launches the missing ones as one Hydra
 multirun with the table sweeper (``python -m normexp -m hydra/sweeper=table ...``, so any Hydra launcher can
@@ -23,9 +28,9 @@ from pathlib import Path
 from ..errors import UserError
 from ..tracking.lock import live_owner
 from .aggregate import aggregate
-from .plan import PlannedRun, TablePlan, hydra_composer, plan_table
+from .plan import PlannedRun, TablePlan, hydra_composer, is_hydra_override, plan_table
 from .render import RESULTS_DIR, to_markdown, write_table
-from .spec import list_scales, list_tables, load_scale, load_table
+from .spec import list_scales, list_tables, load_scale, load_table, searchpath_of
 from .sweep import print_plan
 
 WAIT_POLL_S = 5.0
@@ -42,9 +47,12 @@ def parse_seeds(text: str | None) -> tuple[int, ...] | None:
 
 def make_plan(table: str, scale: str, seeds: tuple[int, ...] | None, extra: list[str],
               root: Path | None = None) -> TablePlan:
-    spec, scale_spec = load_table(table), load_scale(scale)
-    with hydra_composer() as compose:
-        return plan_table(spec, scale_spec, seeds, compose, root=root, extra=extra)
+    searchpath = searchpath_of(extra)  # a user's own tables and scales: hydra.searchpath=[file://<dir>]
+    spec, scale_spec = load_table(table, searchpath), load_scale(scale, searchpath)
+    hydra_overrides = [o for o in extra if is_hydra_override(o)]  # Hydra's settings: how every job composes
+    with hydra_composer(hydra_overrides) as compose:
+        return plan_table(spec, scale_spec, seeds, compose, root=root,
+                          extra=[o for o in extra if not is_hydra_override(o)])
 
 
 def sweep_command(table: str, scale: str, seeds: tuple[int, ...] | None, launcher: str | None,
@@ -116,10 +124,11 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    for table in list_tables():
-        spec = load_table(table)
+    searchpath = searchpath_of(args.overrides)
+    for table in list_tables(searchpath):
+        spec = load_table(table, searchpath)
         print(f"{table:16s} {spec.title}  [{spec.source or 'ours'}]")
-    print(f"\nscales: {', '.join(list_scales())}")
+    print(f"\nscales: {', '.join(list_scales(searchpath))}")
     return 0
 
 
@@ -127,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="normexp table", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="the tables and scales").set_defaults(func=cmd_list)
+    listing = sub.add_parser("list", help="the tables and scales")
+    listing.add_argument("overrides", nargs="*", help="hydra.searchpath=[file://<dir>/configs]: theirs too")
+    listing.set_defaults(func=cmd_list)
     for name, func, what in (("run", cmd_run, "run what a table still needs, then render it"),
                              ("render", cmd_render, "render a table from its run records")):
         p = sub.add_parser(name, help=what)
@@ -142,9 +153,8 @@ def main(argv: list[str] | None = None) -> None:
                            help="configs/launcher/: slurm, submitit_local (default: local, in this process)")
             p.add_argument("--dry-run", action="store_true", help="print the runs and their settings only")
     args, unknown = parser.parse_known_args(argv)  # overrides may follow the options
-    if args.command != "list":
-        args.overrides += [u for u in unknown if "=" in u and not u.startswith("-")]
-        unknown = [u for u in unknown if u not in args.overrides]
+    args.overrides += [u for u in unknown if "=" in u and not u.startswith("-")]
+    unknown = [u for u in unknown if u not in args.overrides]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:

@@ -163,8 +163,7 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
         point.labels = {key: OmegaConf.select(paper_cfg, key) for key in spec.label_keys}
         point.paper = resolved(paper_cfg)
         overrides = scale.apply(point.overrides, point.task) + list(extra)
-        overrides, blocked = _resolve_links(overrides, point, spec.link_keys, scale, seeds, compose, root,
-                                            linked)
+        overrides, blocked = _resolve_links(overrides, point, spec, scale, seeds, compose, root, linked)
         cfg = paper_cfg if overrides == point.overrides else _compose(compose, overrides, spec.id)
         if prepare and not blocked:
             cfg = _prepared(cfg)
@@ -183,7 +182,7 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
 LINK = "table:"
 
 
-def _resolve_links(overrides: list[str], point: Point, keys: tuple[str, ...], scale: Scale,
+def _resolve_links(overrides: list[str], point: Point, spec: TableSpec, scale: Scale,
                    seeds: tuple[int, ...], compose: ComposeFn, root: Path | None,
                    linked: dict[str, list[tuple[Point, PlannedRun]]]) -> tuple[list[str], str | None]:
     """Replace ``key=table:<id>`` by the record directory of that table's run of the same model and seed.
@@ -193,6 +192,7 @@ def _resolve_links(overrides: list[str], point: Point, keys: tuple[str, ...], sc
     backbone and norm names). Until that run has a result, the point is blocked.
     """
     out, blocked = [], None
+    keys = spec.link_keys
     for override in overrides:
         key, _, value = override.partition("=")
         value = value.replace("\\:", ":")  # Hydra's override grammar escapes ':' in the values it prints
@@ -203,7 +203,7 @@ def _resolve_links(overrides: list[str], point: Point, keys: tuple[str, ...], sc
         if other not in linked:
             from .spec import load_table
 
-            linked[other] = plan_table(load_table(other), scale, seeds, compose, root).points
+            linked[other] = plan_table(load_table(other, spec.searchpath), scale, seeds, compose, root).points
         mine = {k: get_path(point.paper, k) for k in keys}
         match = next((run for p, run in linked[other] if p.seed == point.seed
                       and all(get_path(p.paper, k) == v for k, v in mine.items())), None)
@@ -236,16 +236,25 @@ def _prepared(cfg: DictConfig) -> DictConfig:
         return cfg
 
 
+def is_hydra_override(override: str) -> bool:
+    """An override of Hydra's own settings (``hydra.searchpath=``, ``hydra/launcher=``), not of the run's."""
+    return override.lstrip("+~").startswith(("hydra.", "hydra/"))
+
+
 @contextmanager
-def hydra_composer() -> Iterator[ComposeFn]:
-    """A compose function for ``configs/train.yaml`` that composes as the command line would."""
+def hydra_composer(hydra_overrides: Iterable[str] = ()) -> Iterator[ComposeFn]:
+    """A compose function for ``configs/train.yaml`` that composes as the command line would: with
+    ``hydra_overrides`` (e.g. ``hydra.searchpath=[file://<dir>/configs]``, where a user's own options are)
+    before each job's, as Hydra's launchers compose a sweep's jobs."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     from .. import CONFIG_DIR
 
+    first = list(hydra_overrides)
+
     def compose_train(overrides: list[str]) -> DictConfig:
-        return compose(config_name="train", overrides=overrides)
+        return compose(config_name="train", overrides=[*first, *overrides])
 
     if GlobalHydra.instance().is_initialized():
         yield compose_train

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,12 +34,51 @@ TABLE_DIR = CONFIG_DIR / "table"
 SCALE_DIR = CONFIG_DIR / "scale"
 
 
-def list_tables() -> list[str]:
-    return sorted(p.stem for p in TABLE_DIR.glob("*.yaml"))
+# ---------------------------------------------------------------- where specs are found: Hydra's search path
+def searchpath_of(overrides: Iterable[str]) -> tuple[str, ...]:
+    """The entries of the ``hydra.searchpath=[...]`` override among ``overrides`` (the first, as Hydra reads
+    it), parsed by Hydra's override grammar."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    found = [o for o in overrides if o.lstrip("+~").startswith("hydra.searchpath=")]
+    if not found:
+        return ()
+    value = OverridesParser.create().parse_override(found[0]).value()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UserError(f"{found[0]}: hydra.searchpath takes a list, e.g. hydra.searchpath=[file://<dir>]")
+    return tuple(value)
 
 
-def list_scales() -> list[str]:
-    return sorted(p.stem for p in SCALE_DIR.glob("*.yaml"))
+def config_dirs(searchpath: Iterable[str] = ()) -> list[Path]:
+    """normexp's config tree, then each directory of Hydra's search path (``file://<dir>``,
+    ``pkg://<package>``) -- Hydra's order: where two hold the same name, the first wins, as in Hydra."""
+    dirs = [CONFIG_DIR]
+    for entry in searchpath:
+        scheme, _, where = entry.partition("://") if "://" in entry else ("file", "", entry)  # as Hydra
+        if scheme == "file":
+            dirs.append(Path(where))
+        elif scheme == "pkg":
+            import importlib.resources
+
+            try:
+                dirs.append(Path(str(importlib.resources.files(where.replace("/", ".")))))
+            except (ModuleNotFoundError, TypeError):
+                continue  # Hydra warns that this entry is not available
+        else:
+            raise UserError(f"hydra.searchpath entry {entry}: use file://<dir> or pkg://<package>")
+    return dirs
+
+
+def _available(kind: str, searchpath: Iterable[str]) -> list[str]:
+    return sorted({p.stem for d in config_dirs(searchpath) for p in (d / kind).glob("*.yaml")})
+
+
+def list_tables(searchpath: Iterable[str] = ()) -> list[str]:
+    return _available("table", searchpath)
+
+
+def list_scales(searchpath: Iterable[str] = ()) -> list[str]:
+    return _available("scale", searchpath)
 
 
 def _load_yaml(path: Path, kind: str, available: list[str]) -> dict[str, Any]:
@@ -95,6 +135,7 @@ class TableSpec:
     paper_note: str = ""
     notes: str = ""
     link_keys: tuple[str, ...] = ("backbone.name", "norm.name")
+    searchpath: tuple[str, ...] = ()  # the search path it was found on: where the tables it links are found
 
     @property
     def label_keys(self) -> tuple[str, ...]:
@@ -127,16 +168,22 @@ TABLE_KEYS = {"title", "source", "rows", "columns", "metrics", "blocks", "baseli
 METRIC_KEYS = {"key", "label", "value", "fmt", "scale", "delta", "derive"}
 
 
-def _spec_path(name: str, directory: Path) -> Path:
-    """``configs/<kind>/<name>.yaml``, or ``name`` itself when it is a path to a yaml file."""
-    return Path(name) if name.endswith((".yaml", ".yml")) else directory / f"{name}.yaml"
+def _spec_path(name: str, kind: str, searchpath: Iterable[str]) -> Path:
+    """``<kind>/<name>.yaml`` in the first config directory that has it (normexp's, then the search path's),
+    or ``name`` itself when it is a path to a yaml file."""
+    if name.endswith((".yaml", ".yml")):
+        return Path(name)
+    found = (d / kind / f"{name}.yaml" for d in config_dirs(searchpath))
+    return next((p for p in found if p.is_file()), CONFIG_DIR / kind / f"{name}.yaml")
 
 
-def load_table(name: str) -> TableSpec:
-    """The table ``configs/table/<name>.yaml`` (or the spec file ``name``); its id is the file's stem."""
-    path = _spec_path(name, TABLE_DIR)
+def load_table(name: str, searchpath: Iterable[str] = ()) -> TableSpec:
+    """The table ``configs/table/<name>.yaml`` -- normexp's, or one in a directory of Hydra's search path
+    (``hydra.searchpath=[file://<dir>/configs]``) -- or the spec file ``name``; its id is the file's stem."""
+    searchpath = tuple(searchpath)
+    path = _spec_path(name, "table", searchpath)
     table_id = path.stem
-    data = _load_yaml(path, "table", list_tables())
+    data = _load_yaml(path, "table", list_tables(searchpath))
     _unknown_keys(data, TABLE_KEYS, str(path))
     metrics = []
     for m in data.get("metrics", []):
@@ -159,7 +206,7 @@ def load_table(name: str) -> TableSpec:
         blocks=tuple(data["blocks"]), baseline=tuple(data.get("baseline", [])),
         labels=data.get("labels", {}), headers=data.get("headers", {}), paper=tuple(data.get("paper", [])),
         paper_note=data.get("paper_note", ""), notes=data.get("notes", ""),
-        link_keys=tuple(data.get("link_keys", ("backbone.name", "norm.name"))))
+        link_keys=tuple(data.get("link_keys", ("backbone.name", "norm.name"))), searchpath=searchpath)
 
 
 # ---------------------------------------------------------------- scales
@@ -185,11 +232,12 @@ class Scale:
 SCALE_KEYS = {"description", "seeds", "replace", "overrides"}
 
 
-def load_scale(name: str) -> Scale:
-    """The scale ``configs/scale/<name>.yaml`` (or the file ``name``)."""
-    path = _spec_path(name, SCALE_DIR)
+def load_scale(name: str, searchpath: Iterable[str] = ()) -> Scale:
+    """The scale ``configs/scale/<name>.yaml`` (normexp's or on the search path, as a table) or the file
+    ``name``."""
+    path = _spec_path(name, "scale", searchpath)
     name = path.stem
-    data = _load_yaml(path, "scale", list_scales())
+    data = _load_yaml(path, "scale", list_scales(searchpath))
     _unknown_keys(data, SCALE_KEYS, str(path))
     seeds = data.get("seeds") or [0]
     return Scale(name=name, description=str(data.get("description", "")).strip(),

@@ -89,7 +89,8 @@ def run_table_sweep(sweeper: Any, arguments: list[str]) -> list[Any]:
     if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(arguments)):
         raise UserError("a table sweep takes no sweeps on the command line (the table spec defines the "
                         f"grid): {' '.join(arguments)}")
-    spec, scale = load_table(sweeper.table), load_scale(sweeper.scale)
+    searchpath = tuple(sweeper.config.hydra.searchpath or ())  # hydra.searchpath=: a user's own specs
+    spec, scale = load_table(sweeper.table, searchpath), load_scale(sweeper.scale, searchpath)
     plan = plan_table(spec, scale, sweeper.seeds, sweeper.compose, extra=arguments)
     print_plan(plan, sweeper.dry_run)
     todo = plan.to_run()

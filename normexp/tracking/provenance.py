@@ -20,8 +20,9 @@ PACKAGES = ("torch", "torchvision", "timm", "hydra-core", "omegaconf", "wandb", 
             "pillow", "imagecorruptions-imaug", "pycocotools", "normexp")
 
 # Config keys that do not change what a run computes; left out of its identity. ``table`` says which table
-# and row a run serves: the same run can serve several (e.g. a baseline shared by two tables).
-NON_IDENTITY_KEYS = ("logger", "table", "launcher", "trainer.progress", "trainer.resume")
+# and row a run serves: the same run can serve several (e.g. a baseline shared by two tables). ``plugins``
+# says where a normalizer's code comes from, not what it is (its name and options are the identity).
+NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress", "trainer.resume")
 
 
 def seed_everything(seed: int) -> None:

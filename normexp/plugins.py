@@ -1,0 +1,116 @@
+"""A user's own normalizers and backbone families, from modules of their own, with no edit of normexp.
+
+A plugin is a Python module that registers what it defines when it is imported (``@register_norm("name")``
+on a normalizer class, ``@register_model`` on a backbone constructor). Two ways name one:
+
+- the config's ``plugins`` list: ``plugins=[mynorms]`` -- a module importable from ``sys.path``
+  (``PYTHONPATH=.`` for ``./mynorms.py``), or ``plugins=[path/to/mynorms.py]`` -- a file, relative to the
+  working directory;
+- an installed package's entry point in the group ``normexp.plugins`` (``[project.entry-points.
+  "normexp.plugins"] mynorms = "mypackage.mynorms"``): imported in every run.
+
+:func:`load_plugins` imports them; ``normexp.config.validate`` calls it first, so every process that
+validates a config -- which is every process that builds a model (the command line, each job a table or a
+sweep launches, every torchrun worker, every submitit job) -- has them before a name is looked up. Importing
+is idempotent: a module is imported once per process. The yaml of a plugin's norm, backbone or table is
+found on Hydra's search path: ``hydra.searchpath=[file://<dir>/configs]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import traceback
+from collections.abc import Iterable
+from importlib.metadata import entry_points
+from pathlib import Path
+from types import ModuleType
+
+from .errors import UserError
+
+ENTRY_POINT_GROUP = "normexp.plugins"
+_loaded: dict[str, ModuleType] = {}  # by the name or path the config gives, and "entry point <name>"
+
+
+def _where(error: BaseException) -> str:
+    """The innermost frame of ``error`` as ``file:line``."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _failed(what: str, error: BaseException) -> UserError:
+    return UserError(f"{what} failed to import: {type(error).__name__}: {error}{_where(error)}")
+
+
+def _import_file(path: Path) -> ModuleType:
+    """The module of the file ``path``, imported under its stem (as ``import <stem>`` would name it)."""
+    name = path.stem
+    known = sys.modules.get(name)
+    if known is not None and Path(getattr(known, "__file__", "") or "").resolve() == path.resolve():
+        return known
+    if known is not None:
+        raise UserError(f"plugins: {path} would be imported as module '{name}', but that name is taken by "
+                        f"{getattr(known, '__file__', None) or 'a built-in module'}: rename the file")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UserError(f"plugins: {path} is not a Python module (a plugin file ends in .py)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before it runs: its dataclasses and type hints look it up there
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_plugin(name: str) -> ModuleType:
+    """Import the plugin ``name``: a module name (``mynorms``, ``mypackage.norms``) or a ``.py`` file."""
+    if name in _loaded:
+        return _loaded[name]
+    is_file = name.endswith(".py") or "/" in name or "\\" in name
+    try:
+        if is_file:
+            path = Path(name).expanduser()
+            if not path.is_file():
+                raise UserError(f"plugins: no file {name} (from {Path.cwd()}; a plugin is a module name or "
+                                "a path to a .py file)")
+            module = _import_file(path)
+        else:
+            module = importlib.import_module(name)
+    except UserError:
+        raise
+    except ModuleNotFoundError as e:
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+            raise UserError(f"plugins: no module named '{name}' (a plugin is a module importable from "
+                            "sys.path -- for ./<name>.py run with PYTHONPATH=. -- or a path to a .py file)"
+                            ) from None
+        raise _failed(f"plugin {name}", e) from None
+    except Exception as e:  # the plugin's own mistake: where it is, in one line
+        raise _failed(f"plugin {name}", e) from None
+    _loaded[name] = module
+    return module
+
+
+def load_entry_points() -> list[ModuleType]:
+    """Import every installed package's ``normexp.plugins`` entry point (each once per process)."""
+    modules = []
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        key = f"entry point {point.name}"
+        if key not in _loaded:
+            try:
+                _loaded[key] = point.load()
+            except Exception as e:
+                package = f" of {point.dist.name}" if point.dist is not None else ""
+                raise _failed(f"the {ENTRY_POINT_GROUP} entry point {point.name} = {point.value}{package}",
+                              e) from None
+        modules.append(_loaded[key])
+    return modules
+
+
+def load_plugins(names: Iterable[str] | str | None = ()) -> list[ModuleType]:
+    """The installed packages' entry points, then each plugin ``names`` gives (the config's ``plugins``)."""
+    if isinstance(names, str):
+        names = [names]
+    return [*load_entry_points(), *(load_plugin(str(name)) for name in names or ())]

@@ -1,0 +1,177 @@
+"""Extending without forking: a user's own normalizer, backbone family and table, in a directory of their
+own, picked up with no edit of normexp -- the README's "Extending normexp" example, run as a user runs it.
+
+The files and command lines are read from the README's section: ``mynorms.py`` (a scaled RMS norm
+registered as ``scaled_rms``), ``mynets.py`` (a two-block token mixer registered as ``tiny_mixer``, built
+with ``nn.LayerNorm`` slots like every normexp backbone), their yaml, a table spec
+``configs/table/mytable.yaml`` and a scale ``configs/scale/one_epoch.yaml``, written into ``tmp_path``; the
+commands run from there (``PYTHONPATH=.``), with ``logger=none trainer.progress=false`` added to the run and
+``--out`` to the table (the test writes nothing outside ``tmp_path``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT
+
+from normexp.errors import UserError
+from normexp.plugins import load_plugin
+from normexp.tables.spec import list_tables, load_scale, load_table, searchpath_of
+
+SECTION = "## Extending normexp"
+PYTHON = "PYTHONPATH=. python -m normexp "
+
+
+def readme_example() -> tuple[dict[str, str], list[str]]:
+    """The README's example: its files (each fenced block opening with ``# <path>``) and its command lines."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(SECTION):]
+    section = section[: section.index("\n## ", len(SECTION))]
+    blocks = re.findall(r"^```\w*\n(.*?)^```", section, flags=re.S | re.M)
+    files = {b.split("\n", 1)[0][2:]: b.split("\n", 1)[1] for b in blocks if b.startswith("# ")}
+    lines = [line for b in blocks for line in b.replace("\\\n", " ").splitlines()]
+    commands = [line for line in lines if line.startswith(PYTHON)]
+    return files, commands
+
+
+FILES, COMMANDS = readme_example()
+WIDTH, DEPTH, PATCH, CLASSES = 32, 2, 4, 10  # tiny_mixer as its yaml and defaults make it
+
+
+def mixer_params(norm_params: int) -> int:
+    """tiny_mixer's parameter count with ``norm_params`` in each of its DEPTH + 1 norm slots."""
+    embed = 3 * PATCH * PATCH * WIDTH + WIDTH
+    blocks = DEPTH * (WIDTH * WIDTH + WIDTH)
+    return embed + blocks + (DEPTH + 1) * norm_params + WIDTH * CLASSES + CLASSES
+
+
+def command(index: int, user_dir: Path) -> list[str]:
+    """The arguments of the README's command ``index``, run from ``user_dir``."""
+    return shlex.split(COMMANDS[index].removeprefix(PYTHON).replace("$PWD", str(user_dir)))
+
+
+@pytest.fixture
+def user_dir(tmp_path: Path) -> Path:
+    for name, text in FILES.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def normexp(user_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """``PYTHONPATH=. python -m normexp ARGS`` in the user's directory."""
+    path = os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "NORMEXP_OUTPUT_DIR": str(user_dir / "out"),
+           "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, "-m", "normexp", *args], cwd=user_dir, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def records(root: Path) -> list[Path]:
+    return sorted(p.parent for p in root.rglob("summary.json"))
+
+
+def test_the_readme_shows_the_whole_example():
+    assert set(FILES) == {"mynorms.py", "mynets.py", "configs/norm/scaled_rms.yaml",
+                          "configs/backbone/tiny_mixer.yaml", "configs/table/mytable.yaml",
+                          "configs/scale/one_epoch.yaml"}
+    assert len(COMMANDS) == 2 and "table run mytable" in COMMANDS[1]
+
+
+def test_a_users_norm_and_backbone_train(user_dir):
+    out = normexp(user_dir, *command(0, user_dir), "logger=none", "trainer.progress=false")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = records(user_dir / "out")
+    summary = json.loads((run / "summary.json").read_text())
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert summary["status"] == "completed"
+    assert 0 <= summary["metrics"]["final"]["val/top1"] <= 100
+    assert config["norm"] == {"name": "scaled_rms", "gain": 0.5}
+    assert config["backbone"]["name"] == "tiny_mixer" and config["plugins"] == ["mynorms", "mynets"]
+    # every slot holds the user's norm: WIDTH weights and one gain each (LayerNorm's would be 2 * WIDTH)
+    assert summary["params"] == mixer_params(WIDTH + 1)
+
+
+def test_a_misspelled_option_of_a_users_norm_is_one_line(user_dir):
+    out = normexp(user_dir, *command(0, user_dir), "+norm.gian=2", "logger=none")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["error: unknown config key norm.gian: did you mean norm.gain? "
+                                               "norm has name, placement, gain, eps"]
+    assert not (user_dir / "out").exists() or records(user_dir / "out") == []
+
+
+@pytest.mark.parametrize("plugin, message", [
+    ("nosuch", "error: plugins: no module named 'nosuch' (a plugin is a module importable from sys.path"),
+    ("./nosuch.py", "error: plugins: no file ./nosuch.py"),
+])
+def test_an_unknown_plugin_is_one_line_exit_2_and_leaves_nothing(user_dir, plugin, message):
+    args = [a if not a.startswith("plugins=") else f"plugins=[{plugin}]" for a in command(0, user_dir)]
+    out = normexp(user_dir, *args, "logger=none")
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), out.stderr[-2000:]
+    out_dir = user_dir / "out"
+    assert not out_dir.exists() or not any(p.is_file() for p in out_dir.rglob("*"))
+
+
+def test_a_plugin_that_fails_says_where(tmp_path):
+    (tmp_path / "broken.py").write_text("x = 1\nraise RuntimeError('no GPU kernel')\n")
+    with pytest.raises(Exception, match=r"plugin .*broken\.py failed to import: RuntimeError: no GPU kernel "
+                                        r"\(.*broken\.py:2\)"):
+        load_plugin(str(tmp_path / "broken.py"))
+    assert "broken" not in sys.modules
+
+
+def test_a_users_tables_and_scales_are_found_on_the_search_path(user_dir):
+    searchpath = searchpath_of(command(1, user_dir))
+    assert searchpath == (f"file://{user_dir / 'configs'}",)
+    assert load_table("mytable", searchpath).rows == ("norm.name",)
+    assert load_scale("one_epoch", searchpath).overrides["classification"][0] == "trainer.epochs=1"
+    assert "mytable" in list_tables(searchpath) and "mytable" not in list_tables()
+    with pytest.raises(UserError, match=r"no table 'mytabel' .*available: .*mytable"):
+        load_table("mytabel", searchpath)
+
+
+@pytest.mark.slow
+def test_a_users_table_runs(user_dir):
+    results = user_dir / "results"
+    out = normexp(user_dir, *command(1, user_dir), "--out", str(results))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "Launching 2 jobs" in out.stdout + out.stderr
+    runs = {yaml.safe_load((r / "config.yaml").read_text())["norm"]["name"]: json.loads(
+        (r / "summary.json").read_text()) for r in records(user_dir / "out" / "tables")}
+    assert {n: s["status"] for n, s in runs.items()} == {"scaled_rms": "completed", "ln": "completed"}
+    assert runs["scaled_rms"]["params"] == mixer_params(WIDTH + 1)
+    assert runs["ln"]["params"] == mixer_params(2 * WIDTH)
+    table = (results / "mytable.md").read_text()
+    assert "scaled_rms" in table and str(mixer_params(WIDTH + 1)) in table
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["torchrun", "submitit_local"])
+def test_every_process_of_a_job_has_the_plugins(user_dir, launch):
+    """Two torchrun workers, and a job of submitit's local executor: each imports the plugins itself."""
+    args = [*command(0, user_dir), "logger=none", "trainer.progress=false"]
+    if launch == "torchrun":
+        env = {**os.environ, "PYTHONPATH": ".", "NORMEXP_OUTPUT_DIR": str(user_dir / "out"),
+               "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                              "--master_port=29531", "-m", "normexp", *args, "trainer.device=cpu",
+                              "data.batch_size=32"], cwd=user_dir, env=env, capture_output=True, text=True,
+                             timeout=900)
+    else:
+        out = normexp(user_dir, "-m", "launcher=submitit_local", *args)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (run,) = records(user_dir / "out")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["params"] == mixer_params(WIDTH + 1)
+    assert summary.get("world_size", 1) == (2 if launch == "torchrun" else 1)
