@@ -441,7 +441,7 @@ def _task_and_data(values: dict[str, Any]) -> Iterator[str]:
 
 def _batches(values: dict[str, Any]) -> Iterator[str]:
     from .distributed import launcher_env
-    from .engine.trainer import accumulation_steps
+    from .engine.batches import accumulation_steps
 
     trainer, batch = values["trainer"], values["data"]["batch_size"]
     mixup = trainer["mixup"]

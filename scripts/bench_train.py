@@ -13,8 +13,9 @@ Cases (all in one run):
 * ``ours <norm>`` for each ``--norms`` (``ln`` always included): our model with that normalizer;
 * ``--layout``: the DTN code's layout (``vit_small_star``: DTN in blocks 0-9, class token joined late) with
   DTN and the same model with LN;
-* the trainer: our real ``normexp.engine.trainer.Trainer`` training ``--trainer-steps`` steps of an
-  in-memory synthetic dataset vs a minimal loop over the same batches (same model, optimizer and loss).
+* the trainer: our real ``normexp.tasks.classification.ClassificationTrainer`` training ``--trainer-steps``
+  steps of an in-memory synthetic dataset vs a minimal loop over the same batches (same model, optimizer and
+  loss).
 
 Memory: the peak of tensor memory allocated during one step (activations, gradients, temporaries) above the
 model and optimizer state it starts from (gradients cleared first) -- CUDA:
@@ -56,9 +57,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from normexp.data.loaders import ClassificationData  # noqa: E402
-from normexp.engine.trainer import Trainer  # noqa: E402
 from normexp.models import build_backbone  # noqa: E402
 from normexp.norms import kernels  # noqa: E402
+from normexp.tasks.classification import ClassificationTrainer  # noqa: E402
 from normexp.tracking.records import RunRecord  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -185,7 +186,7 @@ def trainer_overhead(cfg: DictConfig, model: nn.Module, images: torch.Tensor, ta
                               num_classes=cfg.data.num_classes, img_size=images.shape[-1], in_chans=3)
     with tempfile.TemporaryDirectory() as run_dir:
         record = RunRecord(run_dir, OmegaConf.to_container(cfg, resolve=True))
-        trainer = Trainer(cfg.trainer, model, data, record)
+        trainer = ClassificationTrainer(cfg.trainer, model, data, record)
         batches = [(x.to(device), y.to(device)) for x, y in train]
 
         def minimal_epoch(_epoch: int) -> None:

@@ -1,12 +1,11 @@
-"""Checkpoints written atomically and read safely.
+"""Checkpoint files: written atomically, read safely.
 
 Writing: into a temporary file of the writer's own in the same directory, flushed and fsync'ed, then renamed
 over ``<name>`` (and the directory fsync'ed): a process killed mid-write leaves the previous checkpoint whole.
 Reading: every record of the file is checked against the CRC-32 its zip directory holds (torch writes them
 but does not check them on load, so damage inside a tensor -- a bad disk block, a partial copy -- would load
 silently), then ``torch.load(weights_only=True)`` -- tensors and plain containers only, so a checkpoint
-cannot run code (numpy's array reconstruction is allowed for the RNG states of checkpoints written before
-they were stored as tensors).
+cannot run code.
 """
 
 from __future__ import annotations
@@ -15,17 +14,11 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 
 from ..errors import UserError
 from ..tracking.records import write_atomic
-
-# what weights_only=True may rebuild besides tensors and containers: numpy RNG states of older checkpoints
-_NUMPY_CORE = getattr(np, "_core", None) or np.core
-SAFE_GLOBALS = [np.ndarray, np.dtype, _NUMPY_CORE.multiarray._reconstruct,
-                *([np.dtypes.UInt32DType] if hasattr(np, "dtypes") else [])]
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
@@ -64,8 +57,7 @@ def load_checkpoint(source: str | Path) -> dict[str, Any]:
         raise UserError(f"checkpoint '{path}' is damaged: {damage}. It was left as it is: restore it from a "
                         "copy, or move it away to start this run over")
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, or holding objects weights_only refuses
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot read checkpoint '{path}' ({type(e).__name__}: {first[:200]}): it is "

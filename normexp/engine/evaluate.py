@@ -1,4 +1,4 @@
-"""Classifier evaluation shared by the trainer (validation) and robustness (corrupted images): exact counts
+"""Classifier evaluation shared by classification (validation) and robustness (corrupted images): exact counts
 summed over the processes of a distributed job."""
 
 from __future__ import annotations
