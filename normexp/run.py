@@ -37,7 +37,7 @@ from .errors import Diverged, Interrupted, UserError, one_line
 from .models import check_buildable
 from .tasks import get_task
 from .tracking import MIRRORS
-from .tracking.lock import RunLock
+from .tracking.lock import RunLock, live_owner
 from .tracking.provenance import NON_IDENTITY_KEYS, config_hash, seed_everything
 from .tracking.records import (
     DONE,
@@ -173,6 +173,16 @@ def named_after(run_dir: Path, configured: str, prepared: str) -> Path:
     return new
 
 
+def untaken(run_dir: Path, run_id: str) -> Path:
+    """The directory Hydra made for this command, or -- when another run started in the same second under
+    the same name holds it -- a sibling named after this run's id (``<time>_<name>-<run_id[:8]>``)."""
+    summary, old_config = _existing(run_dir)
+    recorded = (summary or {}).get("run_id") or (config_hash(old_config) if old_config else None)
+    if recorded == run_id or (recorded is None and live_owner(run_dir) is None):
+        return run_dir
+    return run_dir.with_name(f"{run_dir.name}-{run_id[:8]}")
+
+
 def claim(run_dir: Path, config: dict[str, Any], resume: str | None, find: bool) -> tuple[Start, RunLock]:
     """Process 0: the directory this run goes to, claimed, and how it starts there."""
     if find and resume == "auto":
@@ -181,6 +191,8 @@ def claim(run_dir: Path, config: dict[str, Any], resume: str | None, find: bool)
             log.info("continuing the unfinished run of this config in %s (%s)", unfinished.dir,
                      unfinished.status)
             run_dir = unfinished.dir
+    if find:
+        run_dir = untaken(run_dir, config_hash(config))
     lock = RunLock.acquire(run_dir)
     try:
         return decide_start(run_dir, config, resume), lock

@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import quick_cfg
 
 from normexp.engine.trainer import Trainer
 from normexp.errors import Interrupted, UserError
-from normexp.run import run
+from normexp.run import claim, run
 from normexp.tracking import lock as lock_module
 from normexp.tracking.lock import RunBusy, RunLock, read_owner
 from normexp.tracking.records import (
@@ -195,6 +196,28 @@ def test_one_process_holds_a_run_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(lock_module, "STALE_AFTER_S", 0.0)
     with RunLock.acquire(tmp_path):
         assert read_owner(tmp_path).host == socket.gethostname()
+
+
+def test_two_runs_started_in_the_same_second_get_a_directory_each(tmp_path, monkeypatch):
+    """Hydra names a run's directory after its second and its model: two commands of other configs started
+    together (a script's loop) are two runs, not a refusal."""
+    monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path))
+    shared = tmp_path / "12-00-00_vit_micro-ln-digits-s0"
+    config = {"seed": 0, "trainer": {"lr": 1e-3}}
+    with RunLock.acquire(shared):  # the other run has claimed it, nothing written yet
+        start, own = claim(shared, config, "auto", find=True)
+        own.release()
+    assert start.kind == "fresh" and start.run_dir.parent == tmp_path and start.run_dir != shared
+    assert start.run_dir.name.startswith(shared.name + "-")
+    (shared / "config.yaml").write_text("seed: 1\n")  # ... and once its config is written
+    start, own = claim(shared, config, "auto", find=True)
+    own.release()
+    assert start.run_dir == tmp_path / start.run_dir.name != shared
+    # the same config, or a directory given on the command line (find=False), stays where it is
+    (shared / "config.yaml").write_text(yaml.safe_dump(config))
+    start, own = claim(shared, config, "auto", find=True)
+    own.release()
+    assert start.run_dir == shared
 
 
 def test_json_is_written_through_a_synced_temporary_of_its_own(tmp_path, monkeypatch):

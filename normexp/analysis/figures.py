@@ -35,10 +35,10 @@ from omegaconf import OmegaConf
 
 from .. import CONFIG_DIR
 from ..errors import UserError, one_line
-from ..tables.cli import parse_seeds, sweep_command
+from ..tables.cli import planner_cli, run_cli, sweep_command
 from ..tables.plan import PlannedRun, TablePlan, hydra_composer, plan_table
 from ..tables.render import RESULTS_DIR
-from ..tables.spec import Metric, TableSpec, list_scales, load_scale
+from ..tables.spec import Metric, TableSpec, list_scales, load_scale, searchpath_of
 from ..tables.sweep import print_plan
 from .core import ANALYSES, RunAnalysis, analyse, load_run, select_slots
 from .render import (
@@ -321,43 +321,17 @@ def cmd_render(args: argparse.Namespace) -> int:
     return render(spec, make_plan(spec, args.scale, args.seeds, args.overrides), args.out)
 
 
-def cmd_list(_args: argparse.Namespace) -> int:
+def cmd_list(args: argparse.Namespace) -> int:
     for name in list_figures():
         spec = load_figure(name)
         print(f"{name:16s} {spec.title}  [{spec.mirrors}]")
-    print(f"\nscales: {', '.join(list_scales())}")
+    print(f"\nscales: {', '.join(list_scales(searchpath_of(args.overrides)))}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="normexp figure", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="the figures and scales").set_defaults(func=cmd_list)
-    for name, func, what in (("run", cmd_run, "run what a figure still needs, then render it"),
-                             ("render", cmd_render, "render a figure from its run records")):
-        p = sub.add_parser(name, help=what)
-        p.add_argument("figure", help="a figure id (configs/figure/<id>.yaml) or a figure spec file")
-        p.add_argument("--scale", default="smoke", help="a scale (configs/scale/<name>.yaml) or a file")
-        p.add_argument("--seeds", type=parse_seeds, default=None, help="e.g. 0,1,2 (default: the scale's)")
-        p.add_argument("--out", type=Path, default=RESULTS_DIR / "figures", help="where the figure files go")
-        p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (part of its identity)")
-        p.set_defaults(func=func)
-        if name == "run":
-            p.add_argument("--launcher", default=None,
-                           help="configs/launcher/: slurm, submitit_local (default: local, in this process)")
-            p.add_argument("--dry-run", action="store_true", help="print the runs and their settings only")
-    args, unknown = parser.parse_known_args(argv)
-    if args.command != "list":
-        args.overrides += [u for u in unknown if "=" in u and not u.startswith("-")]
-        unknown = [u for u in unknown if u not in args.overrides]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    try:
-        sys.exit(args.func(args))
-    except UserError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(planner_cli("normexp figure", __doc__, "figure", RESULTS_DIR / "figures", cmd_list, cmd_run,
+                        cmd_render), argv)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,10 @@ import argparse
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, one_line
 from ..tracking.lock import live_owner
 from .aggregate import aggregate
 from .plan import PlannedRun, TablePlan, hydra_composer, is_hydra_override, plan_table
@@ -132,27 +133,36 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="normexp table", description=__doc__,
+def planner_cli(prog: str, description: str, item: str, out: Path, list_func: Callable[..., int],
+                run_func: Callable[..., int], render_func: Callable[..., int]) -> argparse.ArgumentParser:
+    """The command line of ``normexp table`` and ``normexp figure``: ``list``, then ``run`` / ``render`` of
+    one ``item`` (a spec id under ``configs/<item>/`` or a spec file) at a scale."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    listing = sub.add_parser("list", help="the tables and scales")
+    listing = sub.add_parser("list", help=f"the {item}s and scales")
     listing.add_argument("overrides", nargs="*", help="hydra.searchpath=[file://<dir>/configs]: theirs too")
-    listing.set_defaults(func=cmd_list)
-    for name, func, what in (("run", cmd_run, "run what a table still needs, then render it"),
-                             ("render", cmd_render, "render a table from its run records")):
+    listing.set_defaults(func=list_func)
+    for name, func, what in (("run", run_func, f"run what a {item} still needs, then render it"),
+                             ("render", render_func, f"render a {item} from its run records")):
         p = sub.add_parser(name, help=what)
-        p.add_argument("table", help="a table id (configs/table/<id>.yaml) or a table spec file")
+        p.add_argument(item, help=f"a {item} id (configs/{item}/<id>.yaml) or a {item} spec file")
         p.add_argument("--scale", default="smoke", help="a scale (configs/scale/<name>.yaml) or a file")
         p.add_argument("--seeds", type=parse_seeds, default=None, help="e.g. 0,1,2 (default: the scale's)")
-        p.add_argument("--out", type=Path, default=RESULTS_DIR / "tables", help="where the table files go")
+        p.add_argument("--out", type=Path, default=out, help=f"where the {item} files go")
         p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (part of its identity)")
         p.set_defaults(func=func)
         if name == "run":
             p.add_argument("--launcher", default=None,
                            help="configs/launcher/: slurm, submitit_local (default: local, in this process)")
             p.add_argument("--dry-run", action="store_true", help="print the runs and their settings only")
-    args, unknown = parser.parse_known_args(argv)  # overrides may follow the options
+    return parser
+
+
+def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    """Parse ``argv`` (overrides may follow the options) and run its command; a UserError is one line,
+    exit code 2."""
+    args, unknown = parser.parse_known_args(argv)
     args.overrides += [u for u in unknown if "=" in u and not u.startswith("-")]
     unknown = [u for u in unknown if u not in args.overrides]
     if unknown:
@@ -160,8 +170,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         sys.exit(args.func(args))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(planner_cli("normexp table", __doc__, "table", RESULTS_DIR / "tables", cmd_list, cmd_run,
+                        cmd_render), argv)
 
 
 if __name__ == "__main__":
