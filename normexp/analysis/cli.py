@@ -3,9 +3,10 @@
     normexp analyze <run dir> [--figures io,alpha,tokens,attention] [--images 16] [--seed 0]
                     [--slots 'blocks.*.norm1'] [--max-slots 36] [--token-slot NAME] [--no-ema]
 
-Rebuilds the model from the run's record (resolved config + checkpoint; EMA weights when the run kept an
-EMA, ``--no-ema`` for the raw ones), runs a fixed, seeded set of validation images through it with every norm
-slot hooked, and writes ``<run dir>/analysis/``: one PNG per figure and the numbers behind it --
+Rebuilds the model from the run's record (resolved config + checkpoint; the EMA weights where its recipe
+reports them, ``--no-ema`` for the trained ones), runs a fixed, seeded set of validation images through
+it with every norm slot hooked, and writes ``<run dir>/analysis/``: one PNG per figure and the numbers
+behind it --
 
 * ``io.png`` / ``io_channels.png`` + ``io.json`` (fit per slot) + ``io_points.csv`` (every plotted point):
   input vs output (before the slot's affine) of every norm slot, points of a few tokens / of the channels
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-slots", type=int, default=MAX_IO_SLOTS,
                         help=f"io: at most this many slots, evenly spaced in depth (default {MAX_IO_SLOTS})")
     parser.add_argument("--no-ema", action="store_true",
-                        help="the model's weights even when the run kept an EMA")
+                        help="the trained weights even where the run reports its EMA's")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
     args = parser.parse_args(argv)
     start = time.perf_counter()
