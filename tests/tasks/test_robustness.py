@@ -147,7 +147,8 @@ def test_robustness_of_a_checkpoint_is_recorded_printed_and_mirrored(demo_run, t
     assert "mce" not in results and results["normalised_by"] is None  # digits: no AlexNet figures
     mean = (results["err/gaussian_noise"] + results["err/contrast"]) / 2
     assert results["mean_corruption_err"] == pytest.approx(mean)
-    assert results["err/gaussian_noise/s5"] >= results["err/gaussian_noise/s1"] - 5
+    # errors in percent (the 1-epoch model is near chance, so no ordering of severities is asserted here)
+    assert all(0 <= results[f"err/{c}/s{k}"] <= 100 for c in ("gaussian_noise", "contrast") for k in (1, 5))
     rows = [r for r in read_metrics(tmp_path / "eval") if "robustness/err" in r]
     assert [(r["corruption"], r["severity"]) for r in rows] == [
         ("gaussian_noise", 1), ("gaussian_noise", 5), ("contrast", 1), ("contrast", 5)]
@@ -245,7 +246,7 @@ def test_chained_after_classification_into_the_same_record(tmp_path):
                     "task.robustness.severities=[3]", "task.robustness.num_workers=0",
                     "task.robustness.cache_dir=null")
     summary = run(cfg, tmp_path / "run")
-    assert set(summary["metrics"]) == {"final", "best", "robustness"}
+    assert set(summary["metrics"]) == {"final", "best", "reported", "robustness"}
     assert summary["metrics"]["robustness"]["err/pixelate/s3"] is not None
     rows = read_metrics(tmp_path / "run")
     steps = [r["step"] for r in rows]
