@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,8 +19,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs one pytest worker per core: one thread each (and in the processes they start), or
     # the workers' thread pools fight over the cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
     torch.set_num_threads(1)
 CONFIG_DIR = str(ROOT / "configs")
 
@@ -29,8 +29,9 @@ def compose_cfg(*overrides: str) -> DictConfig:
 
 
 def quick_cfg(*overrides: str, epochs: int = 1) -> DictConfig:
-    """The demo shrunk to seconds: few epochs, no W&B, no progress bars."""
-    cfg = compose_cfg("logger=none", f"trainer.epochs={epochs}", "trainer.warmup_epochs=0",
+    """The demo shrunk to seconds: the digits at their own 8x8 pixels (a quarter of the demo's tokens), few
+    epochs, no W&B, no progress bars."""
+    cfg = compose_cfg("logger=none", "data.img_size=8", f"trainer.epochs={epochs}", "trainer.warmup_epochs=0",
                       "trainer.progress=false", *overrides)
     with open_dict(cfg):
         cfg.trainer.log_interval = 10
@@ -46,3 +47,23 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+def count_params(module: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+def explicit_attention(model: nn.Module) -> nn.Module:
+    """Attention as explicit matmuls, so that the FLOP counter sees them (it misses the CPU fused kernel)."""
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = False
+    return model
+
+
+def forward_backward(model: nn.Module, size: int, num_classes: int = 10) -> None:
+    """One batch of two images through the model and back: finite logits of the right shape, finite grads."""
+    out = model(torch.randn(2, 3, size, size))
+    out.sum().backward()
+    assert out.shape == (2, num_classes) and torch.isfinite(out).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

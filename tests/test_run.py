@@ -14,10 +14,19 @@ from normexp.errors import UserError
 from normexp.run import run
 from normexp.tracking.records import read_metrics, read_summary
 
+EMA_REPORTED = ("trainer.ema.enabled=true", "trainer.ema.reported=true")
 
-def test_run_record_holds_config_metrics_summary_and_checkpoint(run_dir):
-    cfg = quick_cfg("trainer.ema.enabled=true", "trainer.ema.reported=true", epochs=2)
-    summary = run(cfg, run_dir)
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A two-epoch run whose recipe reports its EMA weights: (config, summary, run directory)."""
+    cfg = quick_cfg(*EMA_REPORTED, epochs=2)
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    return cfg, run(cfg, run_dir), run_dir
+
+
+def test_run_record_holds_config_metrics_summary_and_checkpoint(trained):
+    cfg, summary, run_dir = trained
     assert yaml.safe_load((run_dir / "config.yaml").read_text()) == OmegaConf.to_container(cfg, resolve=True)
     rows = read_metrics(run_dir)
     epochs = [r for r in rows if "val/top1" in r]
@@ -26,7 +35,7 @@ def test_run_record_holds_config_metrics_summary_and_checkpoint(run_dir):
     on_disk = read_summary(run_dir)
     assert on_disk == json.loads(json.dumps(summary))
     assert on_disk["status"] == "completed" and on_disk["seed"] == 0
-    assert on_disk["params"] == 679_786 and on_disk["gmacs"] > 0 and on_disk["images_per_s"] > 0
+    assert on_disk["params"] == 675_178 and on_disk["gmacs"] > 0 and on_disk["images_per_s"] > 0
     final = on_disk["metrics"]["final"]
     assert set(on_disk["metrics"]) == {"final", "best", "reported"} and final["epoch"] == 2
     # the reported metrics: the EMA model's, which this run's recipe says its paper reports
@@ -36,10 +45,10 @@ def test_run_record_holds_config_metrics_summary_and_checkpoint(run_dir):
     assert (run_dir / "checkpoint.pth").is_file() and not list(run_dir.glob("*.tmp"))
 
 
-def test_same_seed_gives_identical_metrics(tmp_path):
-    a = run(quick_cfg(epochs=2), tmp_path / "a")
-    b = run(quick_cfg(epochs=2), tmp_path / "b")
-    c = run(quick_cfg("seed=1", epochs=2), tmp_path / "c")
+def test_same_seed_gives_identical_metrics(trained, tmp_path):
+    _, a, _ = trained
+    b = run(quick_cfg(*EMA_REPORTED, epochs=2), tmp_path / "b")
+    c = run(quick_cfg(*EMA_REPORTED, "seed=1", epochs=2), tmp_path / "c")
     assert a["metrics"] == b["metrics"] and a["run_id"] == b["run_id"]
     assert a["metrics"] != c["metrics"] and a["run_id"] != c["run_id"]
 
@@ -81,8 +90,8 @@ def test_wandb_offline_run_is_written(run_dir):
         assert e in data, e
 
 
-def test_logger_none_writes_no_wandb_files(run_dir):
-    run(quick_cfg(), run_dir)
+def test_logger_none_writes_no_wandb_files(trained):
+    _, _, run_dir = trained  # quick_cfg: logger=none
     assert not (run_dir / "wandb").exists()
 
 

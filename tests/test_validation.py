@@ -42,7 +42,7 @@ REFUSED = [
                                    "must divide dim=96"),
     (["+backbone.depthh=3"], "cannot build backbone 'vit_micro' with norm 'ln': "),
     (["backbone.img_size=17"], "backbone.img_size=17 is not a multiple of backbone.patch_size=2"),
-    (["backbone.img_size=18"], "backbone.img_size=18 but the images are data.img_size=16 px"),
+    (["backbone.img_size=18"], "backbone.img_size=18 but the images are data.img_size=8 px"),
     (["task=detection", "data=digits"], "task=detection reads data=coco or data=coco_digits, not data=dig"),
     (["trainer.mixup.mixup_alpha=0.8", "data.batch_size=7"], "data.batch_size=7: Mixup / CutMix "),
     (["trainer.global_batch=100"], "trainer.global_batch=100 is not a whole number of steps of data.batch_"

@@ -37,7 +37,7 @@ from .. import CONFIG_DIR
 from ..errors import UserError, one_line
 from ..tables.cli import planner_cli, run_cli, sweep_command
 from ..tables.plan import PlannedRun, TablePlan, hydra_composer, plan_table
-from ..tables.render import RESULTS_DIR
+from ..tables.render import RESULTS_DIR, write_index
 from ..tables.spec import Metric, TableSpec, list_scales, load_scale, searchpath_of
 from ..tables.sweep import print_plan
 from .core import ANALYSES, RunAnalysis, analyse, load_run, select_slots
@@ -260,26 +260,12 @@ def _now() -> str:
 
 def update_index(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_dir: Path) -> None:
     """``index.json`` beside the figures, and the figures section of ``results/README.md`` built from it."""
-    index_path = out_dir / "index.json"
-    index = json.loads(index_path.read_text()) if index_path.is_file() else {}
-    index[spec.id] = {"title": spec.title, "mirrors": spec.mirrors, "scale": plan.scale.name,
-                      "runs": f"{sum(r.analysis is not None for r in runs)} of {len(runs)}",
-                      "rendered_at": _now()}
-    index_path.write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
-    lines = [FIGURES_BEGIN, "| figure | what | mirrors | scale | runs shown | rendered |",
-             "|---|---|---|---|---|---|"]
-    for fig_id, entry in sorted(index.items()):
-        lines.append(f"| [{fig_id}](figures/{fig_id}.png) | {entry['title']} | {entry['mirrors']} | "
-                     f"{entry['scale']} | {entry['runs']} | {entry['rendered_at'][:10]} |")
-    lines.append(FIGURES_END)
-    readme = out_dir.parent / "README.md"
-    text = readme.read_text() if readme.is_file() else "# Results\n"
-    if FIGURES_BEGIN in text:
-        before, after = text[:text.index(FIGURES_BEGIN)], text[text.index(FIGURES_END) + len(FIGURES_END):]
-        text = before + "\n".join(lines) + after
-    else:
-        text = text.rstrip("\n") + "\n\n## Figures\n\n" + "\n".join(lines) + "\n"
-    readme.write_text(text)
+    entry = {"title": spec.title, "mirrors": spec.mirrors, "scale": plan.scale.name,
+             "runs": f"{sum(r.analysis is not None for r in runs)} of {len(runs)}", "rendered_at": _now()}
+    write_index(out_dir, spec.id, entry, "Figures", (FIGURES_BEGIN, FIGURES_END),
+                "| figure | what | mirrors | scale | runs shown | rendered |",
+                lambda fig_id, e: (f"| [{fig_id}](figures/{fig_id}.png) | {e['title']} | {e['mirrors']} | "
+                                   f"{e['scale']} | {e['runs']} | {e['rendered_at'][:10]} |"))
 
 
 # ---------------------------------------------------------------- commands

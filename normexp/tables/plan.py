@@ -9,6 +9,7 @@ Points that compose to the same config (two paper rows on one micro member) shar
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -252,9 +253,13 @@ def hydra_composer(hydra_overrides: Iterable[str] = ()) -> Iterator[ComposeFn]:
     from .. import CONFIG_DIR
 
     first = list(hydra_overrides)
+    composed: dict[tuple[str, ...], DictConfig] = {}  # a table's points share overrides (grand: most of all)
 
     def compose_train(overrides: list[str]) -> DictConfig:
-        return compose(config_name="train", overrides=[*first, *overrides])
+        key = tuple(overrides)
+        if key not in composed:
+            composed[key] = compose(config_name="train", overrides=[*first, *overrides])
+        return copy.deepcopy(composed[key])
 
     if GlobalHydra.instance().is_initialized():
         yield compose_train

@@ -12,6 +12,7 @@ import io
 import json
 import re
 import textwrap
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -425,26 +426,34 @@ def write_table(result: TableResult, out_dir: Path = RESULTS_DIR / "tables") -> 
 
 def update_index(result: TableResult, out_dir: Path) -> None:
     """``index.json`` beside the tables, and the tables section of ``results/README.md`` built from it."""
+    def row(table_id: str, entry: dict[str, Any]) -> str:
+        runs = entry["runs"]
+        return (f"| [{table_id}](tables/{table_id}.md) | {entry['title']} | {entry['scale']} | "
+                f"{runs['completed']} / {runs['diverged']} / {runs['failed']} of {runs['total']} | "
+                f"{entry['rendered_at'][:10]} |")
+
+    entry = {"title": result.spec.title, "source": result.spec.source, **provenance(result)}
+    write_index(out_dir, result.spec.id, entry, "Paper tables", (INDEX_BEGIN, INDEX_END),
+                "| table | what | scale | runs: completed / diverged / failed of all | rendered |", row)
+
+
+def write_index(out_dir: Path, key: str, entry: dict[str, Any], heading: str, markers: tuple[str, str],
+                header: str, row: Callable[[str, dict[str, Any]], str]) -> None:
+    """Set ``key`` in ``out_dir/index.json``, then rewrite the section of ``results/README.md`` between
+    ``markers`` (added under ``## heading`` where the README has none) as a table of the whole index."""
     index_path = out_dir / "index.json"
     index = json.loads(index_path.read_text()) if index_path.is_file() else {}
-    prov = provenance(result)
-    index[result.spec.id] = {"title": result.spec.title, "source": result.spec.source, **prov}
+    index[key] = entry
     index_path.write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
+    begin, end = markers
+    rule = "|" + "---|" * header.count(" | ") + "---|"
+    lines = "\n".join([begin, header, rule, *(row(k, v) for k, v in sorted(index.items())), end])
     readme = out_dir.parent / "README.md"
-    lines = [INDEX_BEGIN, "| table | what | scale | runs: completed / diverged / failed of all | rendered |",
-             "|---|---|---|---|---|"]
-    for table_id, entry in sorted(index.items()):
-        runs = entry["runs"]
-        lines.append(f"| [{table_id}](tables/{table_id}.md) | {entry['title']} | {entry['scale']} | "
-                     f"{runs['completed']} / {runs['diverged']} / {runs['failed']} of {runs['total']} | "
-                     f"{entry['rendered_at'][:10]} |")
-    lines.append(INDEX_END)
-    text = readme.read_text() if readme.is_file() else "# Results\n\n## Paper tables\n\n"
-    if INDEX_BEGIN in text:
-        before, after = text[:text.index(INDEX_BEGIN)], text[text.index(INDEX_END) + len(INDEX_END):]
-        text = before + "\n".join(lines) + after
+    text = readme.read_text() if readme.is_file() else "# Results\n"
+    if begin in text:
+        text = text[:text.index(begin)] + lines + text[text.index(end) + len(end):]
     else:
-        text = text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"
+        text = text.rstrip("\n") + f"\n\n## {heading}\n\n" + lines + "\n"
     readme.write_text(text)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_cfg
+from conftest import compose_cfg, count_params
 from timm.layers import LayerNorm2d
 from torch import nn
 
@@ -29,14 +29,14 @@ def test_parameter_counts_match_the_published_ones(name):
     exact, paper, card = PUBLISHED[name]
     with torch.device("meta"):  # counting needs no initialisation
         model = create_model(name, num_classes=1000)
-    ours = sum(p.numel() for p in model.parameters())
+    ours = count_params(model)
     print(f"{name} | {ours / 1e6:.1f}M ({ours:,}) | {card}M (paper {paper}M; {exact:,})")
     assert ours == exact and round(ours / 1e6, 1) == card and round(ours / 1e6) == paper
 
 
 def test_micro_member_size():
     model = create_model("convnext_micro", num_classes=10)
-    params, gmacs = sum(p.numel() for p in model.parameters()), count_gmacs(model, (3, 16, 16))
+    params, gmacs = count_params(model), count_gmacs(model, (3, 16, 16))
     print(f"convnext_micro | {params / 1e6:.3f}M | {gmacs:.4f} GMACs")
     assert params < 1.5e6 and gmacs < 0.05
 

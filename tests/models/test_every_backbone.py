@@ -7,15 +7,16 @@ already run) are left out of the normalizer matrix: their parameter counts are c
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIG_DIR, compose_cfg
+from conftest import CONFIG_DIR, compose_cfg, forward_backward
 
 from normexp.models import build_backbone, create_model
 from normexp.models.base import Backbone, NormContext
-from normexp.norms import list_norms
+from normexp.norms import get_norm_class, list_norms
 from normexp.norms.placement import norm_slots
 
 BACKBONES = sorted(p.stem for p in (Path(CONFIG_DIR) / "backbone").glob("*.yaml"))
@@ -62,16 +63,24 @@ def test_every_family_declares_the_backbone_contract(name):
         assert context["num_heads"] >= 1
 
 
+def kept_by_the_family(model: torch.nn.Module, slot: str, norm: str) -> bool:
+    """A slot keeps its layer only where the family declares it: ``norm_keep``, or a pooled vector under a
+    normalizer that takes statistics over tokens."""
+    pooled = getattr(model, "norm_context", lambda _: {})(slot).get("pooled", False)
+    return any(fnmatch.fnmatchcase(slot, p) for p in getattr(model, "norm_keep", ())) or \
+        (pooled and getattr(get_norm_class(norm), "token_statistics", False))
+
+
 @pytest.mark.parametrize("norm", list_norms())
 @pytest.mark.parametrize("name", MATRIX)
-def test_forward_backward(name, norm):
+def test_every_norm_fills_every_slot_and_trains(name, norm):
     torch.manual_seed(0)
     model = build(name, norm)
-    size = small_size(name)
-    out = model(torch.randn(2, 3, size, size))
-    out.sum().backward()
-    assert out.shape == (2, 10) and torch.isfinite(out).all()
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    with torch.device("meta"):
+        slots = norm_slots(build(name, "ln"))
+    kept = [s for s in slots if type(model.get_submodule(s)) is not get_norm_class(norm)]
+    assert len(kept) < len(slots) and all(kept_by_the_family(model, s, norm) for s in kept), kept
+    forward_backward(model, small_size(name))
 
 
 @pytest.mark.parametrize("name", CASES)

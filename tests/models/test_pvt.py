@@ -8,26 +8,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compose_cfg
+from conftest import compose_cfg, count_params, explicit_attention
 from torch import nn
 
 from normexp.models import build_backbone, create_model
 from normexp.models.stats import count_gmacs
 from normexp.norms import norm_layer_factory, replace_norms
 from normexp.norms.dtn import DTN
-
-
-def count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def explicit_attention(model: nn.Module) -> nn.Module:
-    """Attention as explicit matmuls, so that the FLOP counter sees them (it misses the CPU fused kernel)."""
-    for m in model.modules():
-        if hasattr(m, "fused_attn"):
-            m.fused_attn = False
-    return model
-
 
 # whai362/PVT README figure (M) and the exact count of its classification/pvt.py (224 px, 1000 classes)
 PAPER = {"pvt_tiny": (13.2, 13_229_288), "pvt_small": (24.5, 24_485_864),
@@ -41,8 +28,9 @@ def test_parameter_counts_match_the_paper(name, heads):
     count."""
     paper, exact = PAPER[name]
     model = create_model(name, num_classes=1000, img_size=224, num_heads=heads)
-    print(f"{name} heads={list(heads)} | {count(model) / 1e6:.1f}M ({count(model):,}) | {paper}M ({exact:,})")
-    assert round(count(model) / 1e6, 1) == paper and count(model) == exact
+    ours = count_params(model)
+    print(f"{name} heads={list(heads)} | {ours / 1e6:.1f}M ({ours:,}) | {paper}M ({exact:,})")
+    assert round(ours / 1e6, 1) == paper and ours == exact
 
 
 def test_pvt_tiny_parameter_breakdown():
@@ -54,12 +42,12 @@ def test_pvt_tiny_parameter_breakdown():
              "block4": 6_304_768, "norm": 1_024, "head": 513_000}
     for name, expected in parts.items():
         got = getattr(model, name)
-        assert (got.numel() if isinstance(got, nn.Parameter) else count(got)) == expected, name
+        assert (got.numel() if isinstance(got, nn.Parameter) else count_params(got)) == expected, name
     blk = model.block1[0]
-    assert count(blk) == 345_344
+    assert count_params(blk) == 345_344
     sizes = {"norm1": 128, "attn.q": 4_160, "attn.kv": 8_320, "attn.proj": 4_160, "attn.sr": 262_208,
              "attn.norm": 128, "norm2": 128, "mlp.fc1": 33_280, "mlp.fc2": 32_832}
-    assert {k: count(blk.get_submodule(k)) for k in sizes} == sizes
+    assert {k: count_params(blk.get_submodule(k)) for k in sizes} == sizes
     assert blk.norm1.eps == 1e-6 and blk.attn.norm.eps == 1e-5 and model.patch_embed1.norm.eps == 1e-5
 
 
@@ -75,8 +63,8 @@ def test_macs_match_the_count(name, counted, paper):
 def test_micro_member_size():
     model = create_model("pvt_micro", num_classes=10)
     gmacs = count_gmacs(explicit_attention(model), (3, 16, 16))
-    print(f"pvt_micro | {count(model) / 1e6:.2f}M params, {gmacs:.4f} GMACs")
-    assert count(model) < 2e6 and gmacs < 0.05
+    print(f"pvt_micro | {count_params(model) / 1e6:.2f}M params, {gmacs:.4f} GMACs")
+    assert count_params(model) < 2e6 and gmacs < 0.05
 
 
 def record_dtn_inputs(model: nn.Module) -> list[tuple[str, int, tuple[int, int], int]]:

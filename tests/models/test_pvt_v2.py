@@ -7,26 +7,13 @@ import copy
 import pytest
 import timm
 import torch
-from conftest import compose_cfg
+from conftest import compose_cfg, count_params, explicit_attention
 from torch import nn
 
 from normexp.models import create_model
 from normexp.models.stats import count_gmacs
 from normexp.norms import norm_layer_factory, replace_norms
 from normexp.norms.dtn import DTN
-
-
-def count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def explicit_attention(model: nn.Module) -> nn.Module:
-    """Attention as explicit matmuls, so that the FLOP counter sees them (it misses the CPU fused kernel)."""
-    for m in model.modules():
-        if hasattr(m, "fused_attn"):
-            m.fused_attn = False
-    return model
-
 
 # whai362/PVT README (branch v2) figure (M) and the exact count of its classification/pvt_v2.py (224 px, 1000
 # classes)
@@ -40,8 +27,8 @@ def test_parameter_counts_match_the_readme(name):
     """The README's figures (B0 / B1: 3.7 / 14.0M; the paper's 3.4 / 13.1M predate a README fix)."""
     paper, exact = README[name]
     model = create_model(name, num_classes=1000, img_size=224)
-    print(f"{name} | {count(model) / 1e6:.1f}M ({count(model):,}) | {paper}M ({exact:,})")
-    assert round(count(model) / 1e6, 1) == paper and count(model) == exact
+    print(f"{name} | {count_params(model) / 1e6:.1f}M ({count_params(model):,}) | {paper}M ({exact:,})")
+    assert round(count_params(model) / 1e6, 1) == paper and count_params(model) == exact
 
 
 @pytest.mark.parametrize("name,counted,paper", [("pvt_v2_b0", 0.57, 0.6), ("pvt_v2_b2_li", 3.89, 3.9)])
@@ -65,8 +52,8 @@ def test_same_model_as_timm():
 def test_micro_member_size():
     model = create_model("pvt_v2_micro", num_classes=10)
     gmacs = count_gmacs(explicit_attention(model), (3, 16, 16))
-    print(f"pvt_v2_micro | {count(model) / 1e6:.2f}M params, {gmacs:.4f} GMACs")
-    assert count(model) < 2e6 and gmacs < 0.05
+    print(f"pvt_v2_micro | {count_params(model) / 1e6:.2f}M params, {gmacs:.4f} GMACs")
+    assert count_params(model) < 2e6 and gmacs < 0.05
 
 
 def record_dtn_inputs(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, int] | None]]:

@@ -9,8 +9,7 @@ import math
 import pytest
 import timm.layers
 import torch
-from conftest import compose_cfg
-from torch import nn
+from conftest import compose_cfg, count_params
 
 from normexp.models import build_backbone, create_model
 from normexp.models.stats import count_gmacs
@@ -35,10 +34,6 @@ PUBLISHED = [
 ]
 
 
-def numel(module: nn.Module, trainable: bool = False) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable)
-
-
 def micro_input(size: int = 16) -> torch.Tensor:
     return torch.randn(2, 3, size, size)
 
@@ -47,11 +42,11 @@ def micro_input(size: int = 16) -> torch.Tensor:
 def test_parameter_counts_match_the_readme(name, tokens_type, paper, exact_all, exact_trainable):
     with torch.device("meta"):  # counting needs no initialisation
         model = create_model(name, tokens_type=tokens_type, num_classes=1000, img_size=224)
-    ours = numel(model)
+    ours = count_params(model)
     label = name.replace("t2t_vit_", "T2T-ViT_t-" if tokens_type == "transformer" else "T2T-ViT-")
     print(f"{label} | {ours / 1e6:.1f}M ({ours:,}) | {paper}M ({exact_all:,})")
     assert round(ours / 1e6, 1) == paper
-    assert ours == exact_all and numel(model, trainable=True) == exact_trainable
+    assert ours == exact_all and count_params(model, trainable_only=True) == exact_trainable
 
 
 def test_t2t_vit_14_parameter_breakdown():
@@ -62,14 +57,14 @@ def test_t2t_vit_14_parameter_breakdown():
     t2t = model.tokens_to_token
     assert model.cls_token.numel() == 384 and model.pos_embed.shape == (1, 197, 384)
     assert not model.pos_embed.requires_grad
-    assert (numel(t2t.layers[0]), numel(t2t.layers[0], True)) == (43_366, 41_318)
-    assert (numel(t2t.layers[1]), numel(t2t.layers[1], True)) == (126_592, 124_544)
-    assert numel(t2t.project) == 221_568
-    assert all(numel(b) == 1_478_016 for b in model.blocks) and len(model.blocks) == 14
-    assert numel(model.norm) == 768 and numel(model.head) == 385_000
+    assert (count_params(t2t.layers[0]), count_params(t2t.layers[0], True)) == (43_366, 41_318)
+    assert (count_params(t2t.layers[1]), count_params(t2t.layers[1], True)) == (126_592, 124_544)
+    assert count_params(t2t.project) == 221_568
+    assert all(count_params(b) == 1_478_016 for b in model.blocks) and len(model.blocks) == 14
+    assert count_params(model.norm) == 768 and count_params(model.head) == 385_000
     layers_t = model_t.tokens_to_token.layers
-    assert [numel(m) for m in layers_t] == [41_126, 124_352]
-    assert [numel(m, True) for m in layers_t] == [41_126, 124_352]
+    assert [count_params(m) for m in layers_t] == [41_126, 124_352]
+    assert [count_params(m, True) for m in layers_t] == [41_126, 124_352]
 
 
 @pytest.mark.parametrize("name,tokens_type,count", [
@@ -105,7 +100,7 @@ def test_micro_member_schedule_grids_and_size():
     assert out.shape == (2, 10)
     assert [lay.grid for lay in model.t2t_layouts] == [(16, 16), (8, 8)] and model.token_layout.grid == (8, 8)
     assert model.pos_embed.shape == (1, 65, 96)
-    assert numel(model) < 0.5e6
+    assert count_params(model) < 0.5e6
 
 
 def test_performer_layer_follows_its_equations():

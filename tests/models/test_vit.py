@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_cfg
+from conftest import compose_cfg, count_params
 from torch import nn
 
 from normexp.models import build_backbone, create_model
@@ -31,7 +31,7 @@ PUBLISHED = [
 def test_parameter_counts_match_the_published_ones(name, paper, exact):
     with torch.device("meta"):  # counting needs no initialisation
         model = create_model(name, num_classes=1000, img_size=224)
-    ours = sum(p.numel() for p in model.parameters())
+    ours = count_params(model)
     print(f"{name} | {ours / 1e6:.1f}M ({ours:,}) | {paper or '-'}M ({exact:,} official)")
     assert ours == exact
     assert paper is None or round(ours / 1e6, 1) == paper
@@ -57,7 +57,7 @@ def test_dtn_adds_exactly_6h_per_replaced_layer(name):
     replaced = replace_norms(dtn, norm_layer_factory("dtn"))
     heads = ln.blocks[0].attn.num_heads
     assert len(replaced) == 20  # norm1 and norm2 of blocks 0-9
-    extra = sum(p.numel() for p in dtn.parameters()) - sum(p.numel() for p in ln.parameters())
+    extra = count_params(dtn) - count_params(ln)
     assert extra == 6 * heads * len(replaced)
 
 

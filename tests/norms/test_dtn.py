@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compose_cfg
+from conftest import compose_cfg, count_params
 from scipy import stats
 from torch import nn
 from torch.func import functional_call
@@ -228,9 +228,9 @@ def test_no_batch_dependence_and_train_equals_eval():
 # --------------------------------------------------------------------------- parameters, init
 @pytest.mark.parametrize("dim, heads", [(384, 6), (432, 9), (192, 4)])
 def test_parameter_overhead_is_6h(dim, heads):
-    count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
-    assert count(DTN(dim, num_heads=heads)) - count(nn.LayerNorm(dim)) == 6 * heads
-    assert count(DTN(dim, num_heads=heads, only_var=True)) - count(nn.LayerNorm(dim)) == 5 * heads
+    ln = count_params(nn.LayerNorm(dim))
+    assert count_params(DTN(dim, num_heads=heads)) - ln == 6 * heads
+    assert count_params(DTN(dim, num_heads=heads, only_var=True)) - ln == 5 * heads
 
 
 def test_initial_mixing_weights_are_half_and_state_dict_is_official():

@@ -28,10 +28,11 @@ blocks:
   - norm=ln data.batch_size=5000                    # fails: the training set is smaller than one batch
 """
 SCALE = """
-description: one epoch of the digits demo
+description: one epoch of the digits demo at the digits' own 8 px
 seeds: [0]
 overrides:
-  classification: [trainer.epochs=1, trainer.warmup_epochs=0, trainer.progress=false, logger=none]
+  classification: [trainer.epochs=1, trainer.warmup_epochs=0, trainer.progress=false, logger=none,
+                   data.img_size=8]
 """
 
 

@@ -198,7 +198,7 @@ def test_the_model_is_the_checkpoints(demo_run):
 
 @pytest.mark.parametrize("override,message,started", [
     (None, "task=robustness needs task.checkpoint", False),
-    ("data.img_size=32", "trained with data.img_size=16; this run has 32: pass data.img_size=16", False),
+    ("data.img_size=32", "trained with data.img_size=8; this run has 32: pass data.img_size=8", False),
     ("task.ema=true", "has no EMA weights", True),  # known once the weights are read: a failed run
 ])
 def test_bad_checkpoint_settings_are_one_line(demo_run, tmp_path, override, message, started):
