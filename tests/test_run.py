@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import torch
 import yaml
 from conftest import quick_cfg
 from omegaconf import OmegaConf
@@ -42,6 +43,7 @@ def test_run_record_holds_config_metrics_summary_and_checkpoint(trained):
     assert on_disk["metrics"]["reported"] == {"weights": "ema", "epoch": 2, "top1": final["ema/val/top1"],
                                               "top5": final["ema/val/top5"], "loss": final["ema/val/loss"]}
     assert on_disk["versions"]["torch"] and "commit" in on_disk["git"] and len(on_disk["run_id"]) == 16
+    assert on_disk["hardware"]["threads"] == torch.get_num_threads()  # CPU results depend on it
     assert (run_dir / "checkpoint.pth").is_file() and not list(run_dir.glob("*.tmp"))
 
 
