@@ -126,15 +126,20 @@ def test_record_metrics_are_percent_and_say_what_normalises():
 # ---------------------------------------------------------------- the task on a demo checkpoint
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    """A 1-epoch digits run: its run directory holds config.yaml and checkpoint.pth."""
+    """A 1-epoch digits run at the demo's 16 px (the corruptions render at the size the demo's model sees):
+    its run directory holds config.yaml and checkpoint.pth."""
     run_dir = tmp_path_factory.mktemp("demo") / "run"
-    run(quick_cfg(), run_dir)
+    run(quick_cfg(DEMO_SIZE), run_dir)
     return run_dir
 
 
+DEMO_SIZE = "data.img_size=16"
+
+
 def robustness_cfg(checkpoint, *overrides, corruptions="[gaussian_noise,contrast]", severities="[1,5]"):
-    return quick_cfg("task=robustness", f"task.checkpoint={checkpoint}", f"task.corruptions={corruptions}",
-                     f"task.severities={severities}", "task.num_workers=0", *overrides)
+    return quick_cfg(DEMO_SIZE, "task=robustness", f"task.checkpoint={checkpoint}",
+                     f"task.corruptions={corruptions}", f"task.severities={severities}", "task.num_workers=0",
+                     *overrides)
 
 
 def test_robustness_of_a_checkpoint_is_recorded_printed_and_mirrored(demo_run, tmp_path, capsys):
@@ -198,7 +203,7 @@ def test_the_model_is_the_checkpoints(demo_run):
 
 @pytest.mark.parametrize("override,message,started", [
     (None, "task=robustness needs task.checkpoint", False),
-    ("data.img_size=32", "trained with data.img_size=8; this run has 32: pass data.img_size=8", False),
+    ("data.img_size=32", "trained with data.img_size=16; this run has 32: pass data.img_size=16", False),
     ("task.ema=true", "has no EMA weights", True),  # known once the weights are read: a failed run
 ])
 def test_bad_checkpoint_settings_are_one_line(demo_run, tmp_path, override, message, started):
