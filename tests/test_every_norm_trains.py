@@ -21,13 +21,14 @@ def test_registry_and_configs_agree():
 
 @pytest.mark.parametrize("norm", NORM_YAMLS)
 def test_short_run(tmp_path, norm):
-    """Two epochs: the run completes, its metrics are finite and its training loss falls.
+    """One epoch (22 updates): the run completes, its metrics are finite and the training loss of updates
+    11-20 is below that of updates 1-10 (by 0.03 to 0.08 for every normalizer here, seed 0).
 
     (Accuracy targets belong to full-length runs: weaker normalizers such as GN and ScaleNorm are still
-    near chance after two epochs without warm-up.)
+    near chance this early.)
     """
-    summary = run(quick_cfg(f"norm={norm}", epochs=2), tmp_path / norm)
+    summary = run(quick_cfg(f"norm={norm}"), tmp_path / norm)
     assert summary["status"] == "completed"
     assert all(math.isfinite(v) for v in summary["metrics"]["final"].values())
-    epoch_loss = [r["train/loss"] for r in read_metrics(tmp_path / norm) if "val/top1" in r]
-    assert len(epoch_loss) == 2 and epoch_loss[1] < epoch_loss[0]
+    windows = [r["train/loss"] for r in read_metrics(tmp_path / norm) if "val/top1" not in r]
+    assert len(windows) == 2 and windows[1] < windows[0]

@@ -78,8 +78,8 @@ def test_sampler_deals_the_same_global_batches_to_any_number_of_processes():
 
 
 def test_accumulation_is_the_same_global_batch(tmp_path):
-    base = ["logger=none", "trainer.epochs=1", "trainer.warmup_epochs=0", "trainer.log_interval=1",
-            "trainer.smoothing=0", "trainer.progress=false"]
+    base = ["logger=none", "data.img_size=8", "trainer.epochs=1", "trainer.warmup_epochs=0",
+            "trainer.log_interval=1", "trainer.smoothing=0", "trainer.progress=false"]
     run(compose_cfg(*base, "data.batch_size=64"), tmp_path / "b64")
     run(compose_cfg(*base, "data.batch_size=32", "trainer.accum_steps=2"), tmp_path / "b32x2")
     summary = read_summary(tmp_path / "b32x2")

@@ -15,6 +15,7 @@ from normexp.data.coco import build_detection_data
 from normexp.engine.checkpoint import save_checkpoint
 from normexp.errors import UserError
 from normexp.models import build_backbone
+from normexp.run import run
 from normexp.tasks.detection import DetectionTrainer, build_detection_model, with_pretrained_backbone
 from normexp.tracking.records import RunRecord, read_summary
 
@@ -149,13 +150,22 @@ def test_demo_command_line_records_coco_metrics(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["data=coco"], "error: data.root is not set"),
-    (["data=coco", "data.root=/nowhere"], "error: COCO root '/nowhere' does not exist"),
-    (["task.detector=yolo"], "error: unknown task.detector 'yolo'"),
+    (["data=coco"], "data.root is not set"),
+    (["data=coco", "data.root=/nowhere"], "COCO root '/nowhere' does not exist"),
+    (["task.detector=yolo"], "unknown task.detector 'yolo'"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, message):
-    out = run_cli("task=detection", "logger=none", *overrides, env={"NORMEXP_OUTPUT_DIR": str(tmp_path)})
-    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr[-1500:]
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, overrides, message):
+    with pytest.raises(UserError) as error:
+        run(compose_cfg("task=detection", "logger=none", *overrides), tmp_path / "run")
+    assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_input_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+    out = run_cli("task=detection", "logger=none", "task.detector=yolo",
+                  env={"NORMEXP_OUTPUT_DIR": str(tmp_path)})
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and last.startswith("error: unknown task.detector 'yolo'"), out.stderr[-1500:]
 
 
 def test_paper_recipes():
