@@ -11,8 +11,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.utils.data import TensorDataset
 
 from .loaders import ClassificationData, make_loader
@@ -22,6 +20,9 @@ NUM_CLASSES = 10
 
 def digits_arrays(img_size: int, val_fraction: float, split_seed: int) -> dict[str, np.ndarray]:
     """Raw digit images in [0, 1], shape (N, img_size, img_size), labels and ids (index in the full set)."""
+    from sklearn.datasets import load_digits  # here: importing scikit-learn costs every command 2 s
+    from sklearn.model_selection import train_test_split
+
     digits = load_digits()
     images = torch.from_numpy(digits.images.astype(np.float32) / 16.0)[:, None]
     images = F.interpolate(images, size=(img_size, img_size), mode="bilinear", align_corners=False)
