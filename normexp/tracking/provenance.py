@@ -44,8 +44,7 @@ def package_versions() -> dict[str, str | None]:
 
 
 def hardware() -> dict[str, Any]:
-    """The machine a run ran on: accelerator (or cpu), how many, CPU cores, torch's CPU threads (CPU results
-    depend on them: a sum split over another number of threads rounds differently), platform."""
+    """The machine a run ran on: accelerator (or cpu), how many, CPU cores, torch's CPU threads, platform."""
     cuda = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
