@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -23,9 +24,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 CONFIG_DIR = str(ROOT / "configs")
 
 
+_composed: dict[tuple[str, ...], DictConfig] = {}
+
+
 def compose_cfg(*overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
+    """``configs/train.yaml`` with ``overrides``, composed once per override list in a session (Hydra's
+    composition is most of a small test's time); each call gets its own copy."""
+    if overrides not in _composed:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            _composed[overrides] = compose(config_name="train", overrides=list(overrides))
+    return copy.deepcopy(_composed[overrides])
 
 
 def quick_cfg(*overrides: str, epochs: int = 1) -> DictConfig:

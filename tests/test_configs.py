@@ -9,9 +9,10 @@ import torch
 from conftest import CONFIG_DIR, compose_cfg, run_cli
 from omegaconf import OmegaConf
 
+from normexp.config import validate
 from normexp.models import build_backbone
 
-GROUPS = ("backbone", "norm", "task", "data", "logger", "trainer", "experiment")
+GROUPS = ("backbone", "norm", "task", "data", "logger", "trainer", "experiment", "launcher")
 
 
 def options(group: str) -> list[str]:
@@ -26,21 +27,27 @@ def test_default_is_the_embedded_demo():
     assert cfg.backbone.num_classes == 10 and cfg.backbone.img_size == cfg.data.img_size
 
 
-@pytest.mark.parametrize("group", [g for g in GROUPS if g != "experiment"])
-def test_every_option_composes_and_resolves(group):
+def shipped(group: str, option: str) -> list[str]:
+    """The overrides that run a shipped option with the data and task it is made for."""
+    overrides = [f"{group}={option}"]
+    if group == "backbone" and not option.endswith("_micro"):
+        overrides.append("data=imagenet")  # the published sizes take ImageNet's 224 px
+    if (group, option[:4]) in (("data", "coco"), ("trainer", "dete")):
+        overrides.append("task=detection")  # the task that reads that data, reports that metric
+    return overrides
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_shipped_option_composes_resolves_and_fits_the_schema(group):
+    assert options(group), f"no options in configs/{group}/"
     for option in options(group):
-        cfg = compose_cfg(f"{group}={option}")
+        cfg = compose_cfg(*shipped(group, option))
         resolved = OmegaConf.to_container(cfg, resolve=True)
         if group == "logger":  # loggers sit side by side (logger=[wandb,mlflow]) under their names
             assert list(resolved.get("logger", {})) == ([] if option == "none" else [option])
-        else:
-            assert group == "trainer" or resolved[group]["name"] == option
-
-
-def test_every_experiment_composes():
-    assert options("experiment"), "no experiment recipes"
-    for option in options("experiment"):
-        OmegaConf.to_container(compose_cfg(f"experiment={option}"), resolve=True)
+        elif group in ("backbone", "norm", "task", "data"):
+            assert resolved[group]["name"] == option
+        validate(cfg, environment=False)
 
 
 def test_deit_recipe_values():

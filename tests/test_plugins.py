@@ -110,15 +110,22 @@ def test_a_misspelled_option_of_a_users_norm_is_one_line(user_dir):
 
 
 @pytest.mark.parametrize("plugin, message", [
-    ("nosuch", "error: plugins: no module named 'nosuch' (a plugin is a module importable from sys.path"),
-    ("./nosuch.py", "error: plugins: no file ./nosuch.py"),
+    ("nosuch", "plugins: no module named 'nosuch' (a plugin is a module importable from sys.path"),
+    ("./nosuch.py", "plugins: no file ./nosuch.py"),
 ])
-def test_an_unknown_plugin_is_one_line_exit_2_and_leaves_nothing(user_dir, plugin, message):
-    args = [a if not a.startswith("plugins=") else f"plugins=[{plugin}]" for a in command(0, user_dir)]
+def test_an_unknown_plugin_says_what_a_plugin_is(user_dir, monkeypatch, plugin, message):
+    monkeypatch.chdir(user_dir)
+    with pytest.raises(UserError) as error:
+        load_plugin(plugin)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_an_unknown_plugin_is_one_line_exit_2_and_leaves_nothing(user_dir):
+    args = [a if not a.startswith("plugins=") else "plugins=[nosuch]" for a in command(0, user_dir)]
     out = normexp(user_dir, *args, "logger=none")
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(message), out.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: plugins: no module named 'nosuch'"), out.stderr
     out_dir = user_dir / "out"
     assert not out_dir.exists() or not any(p.is_file() for p in out_dir.rglob("*"))
 

@@ -105,24 +105,27 @@ def test_failed_run_is_recorded_as_failed(run_dir):
     assert summary["status"] == "failed" and "smaller than one batch" in summary["error"]
 
 
-def test_resume_after_a_crash_continues_exactly(tmp_path, monkeypatch):
+def test_resume_after_a_crash_continues_exactly(trained, tmp_path, monkeypatch):
+    """Crashed in its second epoch, resumed from the first epoch's checkpoint (model, optimizer, schedule,
+    EMA, RNG): the same final metrics as the uninterrupted run."""
     from normexp.engine.trainer import Trainer
 
-    uninterrupted = run(quick_cfg(epochs=3), tmp_path / "full")
+    _, uninterrupted, _ = trained
     real_epoch = Trainer.train_one_epoch
 
-    def crash_in_epoch_3(self, epoch):
-        if epoch == 2:
+    def crash_in_epoch_2(self, epoch):
+        if epoch == 1:
             raise KeyboardInterrupt("preempted")
         return real_epoch(self, epoch)
 
-    monkeypatch.setattr(Trainer, "train_one_epoch", crash_in_epoch_3)
+    monkeypatch.setattr(Trainer, "train_one_epoch", crash_in_epoch_2)
     with pytest.raises(KeyboardInterrupt):
-        run(quick_cfg(epochs=3), tmp_path / "crashed")
+        run(quick_cfg(*EMA_REPORTED, epochs=2), tmp_path / "crashed")
     assert read_summary(tmp_path / "crashed")["status"] == "interrupted"
     monkeypatch.setattr(Trainer, "train_one_epoch", real_epoch)
-    resumed = run(quick_cfg(f"trainer.resume={tmp_path / 'crashed'}", epochs=3), tmp_path / "resumed")
-    assert [r["epoch"] for r in read_metrics(tmp_path / "resumed") if "val/top1" in r] == [3]
+    resumed = run(quick_cfg(*EMA_REPORTED, f"trainer.resume={tmp_path / 'crashed'}", epochs=2),
+                  tmp_path / "resumed")
+    assert [r["epoch"] for r in read_metrics(tmp_path / "resumed") if "val/top1" in r] == [2]
     assert resumed["metrics"]["final"] == uninterrupted["metrics"]["final"]
 
 

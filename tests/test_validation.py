@@ -4,9 +4,8 @@ nothing written (the directory Hydra made for the run is removed again)."""
 from __future__ import annotations
 
 import pytest
-from conftest import compose_cfg, quick_cfg, run_cli
+from conftest import quick_cfg, run_cli
 
-from normexp.config import validate
 from normexp.errors import UserError
 from normexp.run import run
 
@@ -76,14 +75,3 @@ def test_command_line_mistakes_are_one_line_exit_2_and_leave_nothing(tmp_path, o
     assert not (tmp_path / "out").exists() or not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
 
 
-@pytest.mark.parametrize("group", ["data", "trainer", "task", "experiment", "launcher", "norm", "backbone"])
-def test_every_shipped_option_fits_the_schema(group):
-    from test_configs import options
-
-    for option in options(group):
-        overrides = [f"{group}={option}"]
-        if group == "backbone" and not option.endswith("_micro"):
-            overrides.append("data=imagenet")  # the published sizes take ImageNet's 224 px
-        if (group, option[:4]) in (("data", "coco"), ("trainer", "dete")):
-            overrides.append("task=detection")  # the task that reads that data, reports that metric
-        validate(compose_cfg(*overrides), environment=False)

@@ -112,7 +112,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             wait_for(busy)
         else:
             break
-        plan = make_plan(args.table, args.scale, args.seeds, args.overrides)
+        if plan.blocked():  # the run a blocked one starts from may have its result now: plan again
+            plan = make_plan(args.table, args.scale, args.seeds, args.overrides)
+        else:
+            plan.refresh()
     if not launched:
         print_plan(plan, dry_run=False)
     status = render(plan, args.out)

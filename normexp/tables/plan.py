@@ -94,6 +94,13 @@ class TablePlan:
     def blocked(self) -> list[PlannedRun]:
         return [r for r in self.runs if not r.done and not r.live and r.blocked]
 
+    def refresh(self, root: Path | None = None) -> None:
+        """Read the runs' records again (after a launch, or a wait for another process): same runs, new
+        statuses."""
+        index = index_records(tables_root(root))
+        for run in self.runs:
+            run.record = index.get(run.run_id)
+
     def busy(self) -> list[PlannedRun]:
         """The runs another process is running now (another planner, a SLURM job): waited for."""
         return [r for r in self.runs if r.live]

@@ -1,8 +1,9 @@
 """Every backbone x every registered normalizer, the backbone contract and the dense-feature interface.
 
-The micro members and each family's smallest published size run in the fast suite; the other published
-sizes are marked slow (a few minutes in all), and the largest (whose code path their family's smaller sizes
-already run) are left out of the normalizer matrix: their parameter counts are checked on the meta device.
+The micro members run in the fast suite with every normalizer, each family's smallest published size with
+the papers' own (LN, DTN, DyT); the rest is marked slow (a few minutes in all), and the largest sizes (whose
+code path their family's smaller sizes already run) are left out of the normalizer matrix: their parameter
+counts are checked on the meta device.
 """
 
 from __future__ import annotations
@@ -21,10 +22,19 @@ from normexp.norms.placement import norm_slots
 
 BACKBONES = sorted(p.stem for p in (Path(CONFIG_DIR) / "backbone").glob("*.yaml"))
 FAST = {"vit_tiny", "swin_tiny", "pvt_tiny", "pvt_v2_b0", "levit_128s", "t2t_vit_7"}  # ConvNeXt: micro only
-CASES = [name if name in FAST or name.endswith("_micro") else pytest.param(name, marks=pytest.mark.slow)
-         for name in BACKBONES]
 HEAVY = {"vit_large", "convnext_base", "convnext_large"}
-MATRIX = [c for c in CASES if getattr(c, "values", (c,))[0] not in HEAVY]
+PAPERS_NORMS = {"ln", "dtn", "dyt"}
+
+
+def fast(name: str, norm: str | None = None) -> bool:
+    """In the fast suite: the micro members with every normalizer, the smallest published sizes with the
+    papers' normalizers."""
+    return name.endswith("_micro") or name in FAST and (norm is None or norm in PAPERS_NORMS)
+
+
+CASES = [name if fast(name) else pytest.param(name, marks=pytest.mark.slow) for name in BACKBONES]
+MATRIX = [pytest.param(name, norm, marks=[] if fast(name, norm) else [pytest.mark.slow])
+          for name in BACKBONES if name not in HEAVY for norm in list_norms()]
 PLAIN = ("vit_", "t2t_")  # single-scale models: features() comes from a simple pyramid
 
 
@@ -71,8 +81,7 @@ def kept_by_the_family(model: torch.nn.Module, slot: str, norm: str) -> bool:
         (pooled and getattr(get_norm_class(norm), "token_statistics", False))
 
 
-@pytest.mark.parametrize("norm", list_norms())
-@pytest.mark.parametrize("name", MATRIX)
+@pytest.mark.parametrize(("name", "norm"), MATRIX)
 def test_every_norm_fills_every_slot_and_trains(name, norm):
     torch.manual_seed(0)
     model = build(name, norm)

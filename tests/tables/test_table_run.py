@@ -1,6 +1,9 @@
 """A table end to end on the embedded digits: one Hydra multirun through the table sweeper, a diverging run
 recorded as a result, a failing run that does not stop the others, re-runs that skip what is done, and
-``normexp compare`` agreeing with the rendered table."""
+``normexp compare`` agreeing with the rendered table.
+
+The first ``table run`` is the command line itself; the re-runs call the same entry points in-process (the
+runs they launch are still ``python -m normexp`` multiruns)."""
 
 from __future__ import annotations
 
@@ -9,10 +12,14 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import ROOT
+
+from normexp import compare
+from normexp.tables import cli
 
 SPEC = """
 title: A tiny table
@@ -47,13 +54,25 @@ def md_cells(path: Path) -> dict[str, list[str]]:
     return {" ".join(c[:2]): c for c in ([x.strip() for x in line.strip("|").split(" | ")] for line in lines)}
 
 
-def test_table_runs_skips_and_recomputes(tmp_path):
+def in_process(capfd: pytest.CaptureFixture, main: Callable[[list[str]], None],
+               *args: str) -> tuple[int, str]:
+    """``main(args)``'s exit code and everything written to stdout and stderr (its subprocesses' included)."""
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exited:
+        code = exited.code
+    out = capfd.readouterr()
+    return code, out.out + out.err
+
+
+def test_table_runs_skips_and_recomputes(tmp_path, capfd, monkeypatch):
     spec, scale, out = tmp_path / "tiny.yaml", tmp_path / "cpu1.yaml", tmp_path / "results"
     spec.write_text(SPEC)
     scale.write_text(SCALE)
-    args = ("table", "run", str(spec), "--scale", str(scale), "--out", str(out))
+    args = ("run", str(spec), "--scale", str(scale), "--out", str(out))
 
-    first = table(tmp_path, *args)
+    first = table(tmp_path, "table", *args)
     assert first.returncode == 1, first.stderr[-2000:]  # a run failed: the table is written all the same
     assert "hydra/sweeper=table" in first.stdout and "Launching 3 jobs" in first.stdout + first.stderr
     cells = md_cells(out / "tiny.md")
@@ -66,10 +85,12 @@ def test_table_runs_skips_and_recomputes(tmp_path):
         assert (out / f"tiny{suffix}").stat().st_size > 0
 
     # without the failing block every run is done: nothing is launched
+    monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
     spec.write_text(SPEC.replace("  - norm=ln data.batch_size=5000", "  # removed"))
-    again = table(tmp_path, *args)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "2 done (skipped), 0 to run" in again.stdout and "hydra/sweeper=table" not in again.stdout
+    code, again = in_process(capfd, cli.main, *args)
+    assert code == 0, again[-2000:]
+    assert "2 done (skipped), 0 to run" in again and "hydra/sweeper=table" not in again
 
     # a deleted record is recomputed, and only that one
     runs = tmp_path / "out" / "tables" / "cpu1" / "tiny"
@@ -79,15 +100,15 @@ def test_table_runs_skips_and_recomputes(tmp_path):
                    and "squash: identity" in (d / "config.yaml").read_text()]
     before = (identity / "summary.json").stat().st_mtime_ns
     shutil.rmtree(tanh)
-    third = table(tmp_path, *args)
-    assert third.returncode == 0, third.stderr[-2000:]
-    assert "1 done (skipped), 1 to run" in third.stdout and "Launching 1 jobs" in third.stdout + third.stderr
+    code, third = in_process(capfd, cli.main, *args)
+    assert code == 0, third[-2000:]
+    assert "1 done (skipped), 1 to run" in third and "Launching 1 jobs" in third
     assert (tanh / "summary.json").is_file() and (identity / "summary.json").stat().st_mtime_ns == before
     assert md_cells(out / "tiny.md")["dyt tanh"][2] == top1  # same seed, same numbers
 
-    compared = table(tmp_path, "compare", "--table", str(spec), "--scale", str(scale))
-    assert compared.returncode == 0, compared.stderr
-    rows = md_cells_text(compared.stdout)
+    code, compared = in_process(capfd, compare.main, "--table", str(spec), "--scale", str(scale))
+    assert code == 0, compared
+    rows = md_cells_text(compared)
     assert rows["dyt tanh"][3] == top1 and rows["dyt identity"][3] == "—"
     assert rows["dyt identity"][4] == "1 diverged"
 
