@@ -21,7 +21,7 @@ help:
 	@echo "make demo       train the micro ViT (LayerNorm) on the embedded digits data"
 	@echo "make test       the test suite (about 5 min on 2 cores): everything but the two tiers below"
 	@echo "make test-slow  the slow tier: multi-process, kill/resume, install, launcher, MLflow server,"
-	@echo "                compiled-kernel and published-size model checks (~16 min on 2 cores)"
+	@echo "                compiled-kernel and published-size model checks (~12 min on 2 cores)"
 	@echo "make test-demos the documented demos trained to their accuracy targets (~30 min on 2 cores)"
 	@echo "make test-all   all three"
 	@echo "make lint       ruff check"
