@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 from torch import nn
 
+from normexp.tables.plan import memoized
+
 ROOT = Path(__file__).resolve().parent.parent
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -24,16 +25,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 CONFIG_DIR = str(ROOT / "configs")
 
 
-_composed: dict[tuple[str, ...], DictConfig] = {}
+def _compose_train(overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+_compose_once = memoized(_compose_train)  # Hydra's composition is most of a small test's time
 
 
 def compose_cfg(*overrides: str) -> DictConfig:
-    """``configs/train.yaml`` with ``overrides``, composed once per override list in a session (Hydra's
-    composition is most of a small test's time); each call gets its own copy."""
-    if overrides not in _composed:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            _composed[overrides] = compose(config_name="train", overrides=list(overrides))
-    return copy.deepcopy(_composed[overrides])
+    """``configs/train.yaml`` with ``overrides``, composed once per override list in a session."""
+    return _compose_once(list(overrides))
 
 
 def quick_cfg(*overrides: str, epochs: int = 1) -> DictConfig:

@@ -249,6 +249,19 @@ def is_hydra_override(override: str) -> bool:
     return override.lstrip("+~").startswith(("hydra.", "hydra/"))
 
 
+def memoized(compose: ComposeFn) -> ComposeFn:
+    """``compose`` run once per override list; every call gets its own copy to change."""
+    composed: dict[tuple[str, ...], DictConfig] = {}
+
+    def compose_once(overrides: list[str]) -> DictConfig:
+        key = tuple(overrides)
+        if key not in composed:
+            composed[key] = compose(list(overrides))
+        return copy.deepcopy(composed[key])
+
+    return compose_once
+
+
 @contextmanager
 def hydra_composer(hydra_overrides: Iterable[str] = ()) -> Iterator[ComposeFn]:
     """A compose function for ``configs/train.yaml`` that composes as the command line would: with
@@ -260,13 +273,8 @@ def hydra_composer(hydra_overrides: Iterable[str] = ()) -> Iterator[ComposeFn]:
     from .. import CONFIG_DIR
 
     first = list(hydra_overrides)
-    composed: dict[tuple[str, ...], DictConfig] = {}  # a table's points share overrides (grand: most of all)
-
-    def compose_train(overrides: list[str]) -> DictConfig:
-        key = tuple(overrides)
-        if key not in composed:
-            composed[key] = compose(config_name="train", overrides=[*first, *overrides])
-        return copy.deepcopy(composed[key])
+    # a table's points share overrides (grand: most of all)
+    compose_train = memoized(lambda overrides: compose(config_name="train", overrides=[*first, *overrides]))
 
     if GlobalHydra.instance().is_initialized():
         yield compose_train

@@ -13,10 +13,9 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_cli
 
 from normexp import compare
 from normexp.tables import cli
@@ -43,14 +42,8 @@ overrides:
 """
 
 
-def table(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NORMEXP_OUTPUT_DIR": str(tmp_path / "out"), "WANDB_SILENT": "true"}
-    return subprocess.run([sys.executable, "-m", "normexp", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
-def md_cells(path: Path) -> dict[str, list[str]]:
-    lines = [line for line in path.read_text().splitlines() if line.startswith("| ")][1:]
+def md_cells(text: str) -> dict[str, list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ")][1:]
     return {" ".join(c[:2]): c for c in ([x.strip() for x in line.strip("|").split(" | ")] for line in lines)}
 
 
@@ -72,10 +65,10 @@ def test_table_runs_skips_and_recomputes(tmp_path, capfd, monkeypatch):
     scale.write_text(SCALE)
     args = ("run", str(spec), "--scale", str(scale), "--out", str(out))
 
-    first = table(tmp_path, "table", *args)
+    first = run_cli("table", *args, env={"NORMEXP_OUTPUT_DIR": str(tmp_path / "out")})
     assert first.returncode == 1, first.stderr[-2000:]  # a run failed: the table is written all the same
     assert "hydra/sweeper=table" in first.stdout and "Launching 3 jobs" in first.stdout + first.stderr
-    cells = md_cells(out / "tiny.md")
+    cells = md_cells((out / "tiny.md").read_text())
     assert cells["dyt identity"][2].startswith("diverged@")
     assert int(cells["dyt identity"][2].removeprefix("diverged@")) <= 10
     top1 = cells["dyt tanh"][2]
@@ -104,18 +97,13 @@ def test_table_runs_skips_and_recomputes(tmp_path, capfd, monkeypatch):
     assert code == 0, third[-2000:]
     assert "1 done (skipped), 1 to run" in third and "Launching 1 jobs" in third
     assert (tanh / "summary.json").is_file() and (identity / "summary.json").stat().st_mtime_ns == before
-    assert md_cells(out / "tiny.md")["dyt tanh"][2] == top1  # same seed, same numbers
+    assert md_cells((out / "tiny.md").read_text())["dyt tanh"][2] == top1  # same seed, same numbers
 
     code, compared = in_process(capfd, compare.main, "--table", str(spec), "--scale", str(scale))
     assert code == 0, compared
-    rows = md_cells_text(compared)
+    rows = md_cells(compared)
     assert rows["dyt tanh"][3] == top1 and rows["dyt identity"][3] == "—"
     assert rows["dyt identity"][4] == "1 diverged"
-
-
-def md_cells_text(text: str) -> dict[str, list[str]]:
-    lines = [line for line in text.splitlines() if line.startswith("| ")][1:]
-    return {" ".join(c[:2]): c for c in ([x.strip() for x in line.strip("|").split(" | ")] for line in lines)}
 
 
 PAIR = """
@@ -153,5 +141,5 @@ def test_two_planners_at_once_train_every_run_once(tmp_path):
         assert len(epochs) == 1 and json.loads(summary.read_text())["status"] == "completed"
         assert not (summary.parent / "run.lock").exists()
     for i in range(2):
-        cells = md_cells(tmp_path / f"results{i}" / "pair.md")
+        cells = md_cells((tmp_path / f"results{i}" / "pair.md").read_text())
         assert all(cells[row][1].endswith(" (1)") for row in cells), cells
