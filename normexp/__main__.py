@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import CONFIG_DIR
-from .errors import UserError, one_line
+from .errors import UserError, one_line, storage_error
 
 log = logging.getLogger("normexp")
 
@@ -70,11 +70,14 @@ def run_app(cfg: DictConfig) -> float | None:
 
     try:
         summary = run(cfg, made, find_unfinished_run=fresh and not explicit, on_start=on_start)
-    except UserError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
+    except (UserError, OSError) as e:
+        error = e if isinstance(e, UserError) else storage_error(e)
+        if error is None:  # not the user's to fix
+            raise
+        print(f"error: {one_line(error)}", file=sys.stderr)
         if hydra_cfg.mode == RunMode.MULTIRUN:
-            e.reported = True  # type: ignore[attr-defined]
-            raise  # the sweep records this job as failed and carries on with the others
+            error.reported = True  # type: ignore[attr-defined]
+            raise error from e  # the sweep records this job as failed and carries on with the others
         sys.exit(2)
     except Interrupted as e:
         if distributed.info().is_main:
@@ -188,11 +191,19 @@ def hydra_error_line(error: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())[:400]
 
 
+# Hydra's own flags that take a value (the value is no override either)
+FLAGS_WITH_VALUE = ("-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir",
+                    "--experimental-rerun", "-i", "--info")
+
+
 def _unparsable_override() -> str | None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
-    for arg in sys.argv[1:]:
+    args = sys.argv[1:]
+    for i, arg in enumerate(args):
+        if arg.startswith("-") or (i > 0 and args[i - 1] in FLAGS_WITH_VALUE):  # a flag, or a flag's value
+            continue
         try:
             parser.parse_override(arg)
         except HydraException:
@@ -239,10 +250,16 @@ def main() -> None:
         if not getattr(e, "reported", False):
             print(f"error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
-    except (HydraException, OmegaConfBaseException) as e:
+    except (HydraException, OmegaConfBaseException) as e:  # (MissingConfigException is an OSError too)
         if own_full_error or _State.task_started:
             raise
         print(f"error: {hydra_error_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # before the run: Hydra making the run directory (an output root that is a file)
+        error = storage_error(e)
+        if error is None:
+            raise
+        print(f"error: {one_line(error)}", file=sys.stderr)
         sys.exit(2)
 
 

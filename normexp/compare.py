@@ -27,11 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .errors import UserError
 from .tables.spec import Metric, get_path
-from .tracking.records import Record, index_records, output_root
+from .tracking.records import Record, index_records, output_root, warn_damaged
 
 
 @dataclass
@@ -53,11 +51,6 @@ def record_tags(config: dict[str, Any]) -> set[str]:
     return {str(n) for n in names if n is not None} | {str(t) for t in config.get("tags") or []}
 
 
-def load_config(record: Record) -> dict[str, Any]:
-    path = record.dir / "config.yaml"
-    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
-
-
 def matches(config: dict[str, Any], filters: list[tuple[str, str]], tags: list[str]) -> bool:
     if any(not fnmatch.fnmatchcase(str(get_path(config, k)), pattern) for k, pattern in filters):
         return False
@@ -66,9 +59,8 @@ def matches(config: dict[str, Any], filters: list[tuple[str, str]], tags: list[s
 
 def entries_from_records(root: Path, group_by: list[str]) -> list[Entry]:
     entries = []
-    for record in index_records(root).values():
-        config = load_config(record)
-        entries.append(Entry({k: get_path(config, k) for k in group_by}, record, config))
+    for record in index_records(root, with_config=True).values():  # a damaged record: skipped, named
+        entries.append(Entry({k: get_path(record.config, k) for k in group_by}, record, record.config))
     return entries
 
 
@@ -79,12 +71,14 @@ def entries_from_table(table: str, scale: str, seeds: tuple[int, ...] | None, gr
     plan = make_plan(table, scale, seeds, [], root)
     keys = group_by or list(plan.spec.label_keys)
     entries = []
+    for run in plan.damaged():  # skipped, named
+        warn_damaged(run.record.dir, run.record.damage)
     for point, run in plan.points:
-        if run.record is None:
+        record = run.record
+        if record is None or record.damage is not None:
             continue
-        config = load_config(run.record)
-        labels = {k: point.labels[k] if k in point.labels else get_path(config, k) for k in keys}
-        entries.append(Entry(labels, run.record, config))
+        labels = {k: point.labels[k] if k in point.labels else get_path(record.config, k) for k in keys}
+        entries.append(Entry(labels, record, record.config))
     return entries, list(plan.spec.metrics), keys
 
 

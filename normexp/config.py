@@ -233,6 +233,7 @@ class CocoSchema(LoaderFields):
     hflip: float = _f(0.5, **rng(0, 1))
     filter_empty_gt: bool = True
     min_image_size: int = _f(32, **rng(0))
+    on_bad_image: str = _f("skip", choices=["skip", "fail"])
 
 
 @dataclass

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import errno
 import signal
+from pathlib import Path
 from typing import Any
 
 
@@ -19,6 +21,28 @@ def one_line(error: BaseException) -> str:
     if "Traceback" in text:
         text = text.splitlines()[-1].split(f"{type(error).__name__}: ", 1)[-1]
     return text.splitlines()[0] if text else type(error).__name__
+
+
+RETRY_AFTER_FIX = "run the same command again (a run continues from its last checkpoint)"
+
+
+def storage_error(error: OSError, hint: str = "give an output root you can write: NORMEXP_OUTPUT_DIR=<dir>"
+                  ) -> UserError | None:
+    """A file-system error the user fixes -- no space, a quota or file-size limit, storage that is read-only
+    or not theirs, a file where a directory belongs -- as one line: what, where, what to do (``hint``:
+    where else to write). None for any other error."""
+    where = error.filename
+    said = f"{error.strerror}: '{where}'" if where is not None else str(error.strerror)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return UserError(f"{said}: free space (or raise the quota or the file-size limit), then "
+                         f"{RETRY_AFTER_FIX}")
+    if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return UserError(f"{said}: {hint}")
+    if error.errno in (errno.ENOTDIR, errno.EEXIST) and where is not None:
+        path = Path(where)
+        culprit = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        return UserError(f"'{culprit}' is a file where a directory is needed: move it away, or {hint}")
+    return None
 
 
 class Diverged(Exception):

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 from torch import nn
 
 from normexp.tables.plan import memoized
+from normexp.tracking.provenance import config_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,6 +65,79 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
+@pytest.fixture(scope="session")
+def completed(tmp_path_factory) -> Path:
+    """A completed one-epoch run of ``quick_cfg()`` (config, summary, metrics, checkpoint): copy, then use."""
+    from normexp.run import run
+
+    run_dir = tmp_path_factory.mktemp("completed") / "run"
+    assert run(quick_cfg(), run_dir)["status"] == "completed"
+    return run_dir
+
+
+# ---------------------------------------------------------------- damaged run records, for every reader
+def _edit(name: str, edit: Callable[[dict], Any]) -> Callable[[Path], None]:
+    """A damage that changes one value of ``summary.json`` or ``config.yaml``."""
+    json_file = name.endswith(".json")
+
+    def damage(run_dir: Path) -> None:
+        path = run_dir / name
+        value = (json.loads if json_file else yaml.safe_load)(path.read_text())
+        edit(value)
+        path.write_text(json.dumps(value) if json_file else yaml.safe_dump(value))
+    return damage
+
+
+def _break_second_metrics_line(run_dir: Path) -> None:
+    first, *rest = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_text("".join([first, '{"step": 15, "epoch": 1, "train/lo\n', *rest]))
+
+
+# name -> (what it does to a record's directory, what the loader says is wrong)
+DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "summary is a list": (lambda d: (d / "summary.json").write_text("[]"), "summary.json holds a list"),
+    "summary cut short": (lambda d: (d / "summary.json").write_text((d / "summary.json").read_text()[:100]),
+                          "summary.json does not read back (JSONDecodeError"),
+    "metrics not a mapping": (_edit("summary.json", lambda s: s.update(metrics=[1, 2])),
+                              "summary.json: 'metrics' is not a mapping of mappings"),
+    "a metric is a string": (_edit("summary.json",
+                                   lambda s: s["metrics"]["final"].update({"val/top1": "high"})),
+                             "summary.json: metrics.final.val/top1 is 'high', not a number"),
+    "started_at is no time": (_edit("summary.json", lambda s: s.update(started_at="yesterday")),
+                              "summary.json: started_at is 'yesterday', not an ISO 8601 time"),
+    "config is a list": (lambda d: (d / "config.yaml").write_text("- a\n- b\n"), "config.yaml holds a list"),
+    "config has no backbone": (_edit("config.yaml", lambda c: c.pop("backbone")),
+                               "config.yaml has no backbone.name"),
+    "a broken metrics line": (_break_second_metrics_line, "metrics.jsonl line 2 is not a JSON object"),
+}
+
+
+def plant_record(completed: Path, run_dir: Path, config: dict | None = None, status: str | None = None,
+                 damage: str | None = None) -> Path:
+    """A copy of the ``completed`` record at ``run_dir``: with ``config`` as its resolved config (and its
+    run_id), ``status``, and then one of :data:`DAMAGES`."""
+    shutil.copytree(completed, run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if config is not None:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+        summary["run_id"] = config_hash(config)
+    summary["status"] = status or summary["status"]
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    if damage is not None:
+        DAMAGES[damage][0](run_dir)
+    return run_dir
+
+
+def damaged_root(completed: Path, root: Path) -> dict[str, Path]:
+    """Under ``root``: ``good``, the completed record, and one record of another seed per damage."""
+    config = yaml.safe_load((completed / "config.yaml").read_text())
+    planted = {"good": plant_record(completed, root / "good")}
+    for seed, name in enumerate(DAMAGES, start=1):
+        planted[name] = plant_record(completed, root / name.replace(" ", "_"), {**config, "seed": seed},
+                                     damage=name)
+    return planted
+
+
 def count_params(module: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
@@ -77,3 +156,21 @@ def forward_backward(model: nn.Module, size: int, num_classes: int = 10) -> None
     out.sum().backward()
     assert out.shape == (2, num_classes) and torch.isfinite(out).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def coco_jpeg_tree(root: Path, where: Path) -> Path:
+    """The generated COCO tree at ``root`` as COCO 2017 ships, at ``where``: JPEG files, their names in the
+    annotation files."""
+    from PIL import Image
+
+    for split in ("train2017", "val2017"):
+        (where / split).mkdir(parents=True)
+        data = json.loads((root / "annotations" / f"instances_{split}.json").read_text())
+        for image in data["images"]:
+            name = image["file_name"].replace(".png", ".jpg")
+            rgb = Image.open(root / split / image["file_name"]).convert("RGB")
+            rgb.save(where / split / name, quality=95)
+            image["file_name"] = name
+        (where / "annotations").mkdir(exist_ok=True)
+        (where / "annotations" / f"instances_{split}.json").write_text(json.dumps(data))
+    return where

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -18,12 +19,14 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import quick_cfg
+from omegaconf import OmegaConf
 
 from normexp.engine.trainer import Trainer
 from normexp.errors import Interrupted, UserError
 from normexp.run import claim, run
 from normexp.tracking import lock as lock_module
 from normexp.tracking.lock import RunBusy, RunLock, read_owner
+from normexp.tracking.provenance import config_hash
 from normexp.tracking.records import (
     effective_status,
     index_records,
@@ -37,14 +40,6 @@ def digest(directory: Path) -> dict[str, str]:
     """Every file under ``directory`` and a hash of its bytes."""
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture(scope="module")
-def completed(tmp_path_factory) -> Path:
-    """A completed one-epoch run of ``quick_cfg()``."""
-    run_dir = tmp_path_factory.mktemp("completed") / "run"
-    assert run(quick_cfg(), run_dir)["status"] == "completed"
-    return run_dir
 
 
 def copy_of(completed: Path, tmp_path: Path, status: str | None = None) -> Path:
@@ -143,6 +138,69 @@ def test_the_same_command_continues_its_unfinished_run_and_appends(tmp_path, mon
     assert [r["epoch"] for r in read_metrics(first) if "val/top1" in r] == [1, 2]
     assert not any(path.exists() for path in stale)
     assert not (first / "run.lock").exists()
+    # the record covers both processes: the first start, each attempt, the wall time of all
+    attempts = summary["attempts"]
+    assert [a["status"] for a in attempts] == ["interrupted", "completed"]
+    assert summary["started_at"] == attempts[0]["started_at"] <= attempts[1]["started_at"]
+    assert summary["wall_time_s"] == pytest.approx(sum(a["wall_time_s"] for a in attempts), abs=0.011)
+    assert attempts[0]["wall_time_s"] > 0 and attempts[1]["wall_time_s"] > 0
+
+
+def test_a_killed_attempt_ends_at_its_last_write(completed, tmp_path):
+    """A process killed mid-run recorded no end: the next attempt closes it at the record's last write."""
+    run_dir = copy_of(completed, tmp_path, "running")
+    summary = read_summary(run_dir)
+    summary["attempts"] = [{"started_at": "2026-01-01T00:00:00+00:00", "status": "running"}]
+    summary["started_at"] = "2026-01-01T00:00:00+00:00"
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    os.utime(run_dir / "checkpoint.pth", (1767225700, 1767225700))  # 2026-01-01 00:01:40 UTC
+    for name in ("metrics.jsonl", "summary.json"):
+        os.utime(run_dir / name, (1767225650, 1767225650))
+    resumed = run(quick_cfg(), run_dir)
+    killed, this = resumed["attempts"]
+    assert killed["status"] == "interrupted" and "killed" in killed["error"]
+    assert killed["finished_at"] == "2026-01-01T00:01:40+00:00" and killed["wall_time_s"] == 100.0
+    assert resumed["started_at"] == "2026-01-01T00:00:00+00:00" and this["status"] == "completed"
+    assert resumed["wall_time_s"] == pytest.approx(100.0 + this["wall_time_s"], abs=0.011)
+
+
+def test_an_unfinished_run_of_the_same_name_but_another_config_is_named(completed, tmp_path, monkeypatch,
+                                                                        caplog):
+    """A yaml edited after an interrupt: the same command starts afresh -- and says which unfinished run it
+    does not continue, and why."""
+    monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path))
+    old = yaml.safe_load((completed / "config.yaml").read_text())
+    old["trainer"]["lr"] = 0.004
+    unfinished = tmp_path / "classification" / "before-the-edit"
+    shutil.copytree(completed, unfinished)
+    (unfinished / "config.yaml").write_text(yaml.safe_dump(old))
+    summary = read_summary(unfinished)
+    summary.update(status="interrupted", run_id=config_hash(old))
+    (unfinished / "summary.json").write_text(json.dumps(summary))
+    fresh = tmp_path / "classification" / "now"
+    fresh.mkdir()
+    config = OmegaConf.to_container(quick_cfg(), resolve=True)
+    start, lock = claim(fresh, config, "auto", find=True)
+    lock.release()
+    assert start.kind == "fresh" and start.run_dir == fresh
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == [f"not continuing the unfinished run of the same name in {unfinished} (interrupted): it "
+                    f"differs in trainer.lr: 0.004 -> {config['trainer']['lr']}; this run starts afresh (set "
+                    "those back to continue that one)"]
+
+
+def test_a_lock_that_names_no_owner_is_no_obstacle(completed, tmp_path):
+    """An empty or garbage run.lock (its writer died before writing it): a completed run needs no lock to say
+    it is done, and an unfinished one takes the lock over once it is seconds old."""
+    done = copy_of(completed, tmp_path / "done")
+    (done / "run.lock").write_text("")
+    assert run(quick_cfg(), done)["status"] == "completed"
+    unfinished = copy_of(completed, tmp_path / "unfinished", "interrupted")
+    (unfinished / "run.lock").write_text("\x00garbage")
+    os.utime(unfinished / "run.lock", (1767225600, 1767225600))
+    start, lock = claim(unfinished, OmegaConf.to_container(quick_cfg(), resolve=True), "auto", find=False)
+    assert start.kind == "resume" and lock.owned()
+    lock.release()
 
 
 def test_ctrl_c_checkpoints_the_update_under_way_and_records_interrupted(tmp_path, monkeypatch):
@@ -203,13 +261,14 @@ def test_two_runs_started_in_the_same_second_get_a_directory_each(tmp_path, monk
     together (a script's loop) are two runs, not a refusal."""
     monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path))
     shared = tmp_path / "12-00-00_vit_micro-ln-digits-s0"
-    config = {"seed": 0, "trainer": {"lr": 1e-3}}
+    config = {"seed": 0, "trainer": {"lr": 1e-3}, **{g: {"name": g} for g in ("task", "backbone", "norm",
+                                                                              "data")}}
     with RunLock.acquire(shared):  # the other run has claimed it, nothing written yet
         start, own = claim(shared, config, "auto", find=True)
         own.release()
     assert start.kind == "fresh" and start.run_dir.parent == tmp_path and start.run_dir != shared
     assert start.run_dir.name.startswith(shared.name + "-")
-    (shared / "config.yaml").write_text("seed: 1\n")  # ... and once its config is written
+    (shared / "config.yaml").write_text(yaml.safe_dump({**config, "seed": 1}))  # ... once it has a config
     start, own = claim(shared, config, "auto", find=True)
     own.release()
     assert start.run_dir == tmp_path / start.run_dir.name != shared

@@ -63,7 +63,7 @@ def test_bad_config_is_refused_before_anything_is_built_or_written(tmp_path, ove
 
 @pytest.mark.parametrize("overrides,message", [
     (["trainer.lrr=1"], "error: unknown config key trainer.lrr: did you mean trainer.lr? trainer has "),
-    (["trainer.lr=1=2"], "error: cannot parse the override 'trainer.lr=1=2': "),
+    (["-m", "trainer.lr=1=2"], "error: cannot parse the override 'trainer.lr=1=2': "),  # the override, not -m
     (["norm=gn", "norm.groups=7"], "error: cannot build backbone 'vit_micro' with norm 'gn': "),
 ])
 def test_command_line_mistakes_are_one_line_exit_2_and_leave_nothing(tmp_path, overrides, message):

@@ -21,23 +21,27 @@ behind it --
 * ``summary.json``: the run, the weights, the images, the files, and a note for every figure that does not
   apply to this model (no DyT layer; no global attention).
 
-Everything is computed before anything is written, into a temporary directory renamed over ``analysis/``: a
-failure leaves the previous analysis whole. Bad input (no run directory, no checkpoint, a diverged run, an
+Everything is computed before anything is written, into a temporary directory renamed over ``analysis/``
+(``--out``: anywhere else): a failure leaves the previous analysis whole, and the next analyze removes the
+temporaries of one that was killed. Bad input (no run directory, no checkpoint, a diverged run, an
 unknown figure) is one line and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import secrets
 import shutil
+import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError, one_line
+from ..errors import UserError, one_line, storage_error
+from ..tracking.lock import pid_exists
 from .core import ANALYSES, MAX_IO_SLOTS, RunAnalysis, analyse, load_run
 from .render import (
     Shown,
@@ -111,10 +115,34 @@ def run_summary(analysis: RunAnalysis, figures: list[str], seed: int, files: lis
             "notes": analysis.notes}
 
 
+TEMPORARY = ".analysis-"  # + <pid>-<tag>-<host>: what an analyze writes before it renames it into place
+LEGACY_STALE_S = 3600.0  # a temporary of another naming (before the pid was in it): left for this long
+
+
+def _temporary(parent: Path, tag: str) -> Path:
+    return parent / f"{TEMPORARY}{os.getpid()}-{tag}-{socket.gethostname()}"
+
+
+def remove_killed_analyses(parent: Path) -> None:
+    """The temporaries of analyses that were killed (their process is gone) in ``parent``."""
+    for path in parent.glob(f"{TEMPORARY}*"):
+        pid, _, rest = path.name[len(TEMPORARY):].partition("-")
+        host, gone = rest.partition("-")[2], False
+        if pid.isdigit() and host:
+            gone = host == socket.gethostname() and not pid_exists(int(pid))
+        else:
+            with contextlib.suppress(OSError):
+                gone = time.time() - path.stat().st_mtime > LEGACY_STALE_S
+        if gone:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def analyze(run_dir: str | Path, figures: list[str], images: int, seed: int, ema: bool | None = None,
             token_slot: str | None = None, device: str = "cpu", slots: list[str] | None = None,
-            max_slots: int | None = MAX_IO_SLOTS) -> tuple[Path, dict[str, Any]]:
-    """Analyse ``run_dir`` and write ``<run_dir>/analysis/`` whole (see the module docstring)."""
+            max_slots: int | None = MAX_IO_SLOTS,
+            out: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
+    """Analyse ``run_dir`` and write ``out`` (default ``<run_dir>/analysis/``) whole, with the permissions
+    the umask gives (as the run's own files); see the module docstring."""
     if images < 1:
         raise UserError(f"--images must be at least 1, got {images}")
     if max_slots is not None and max_slots < 1:
@@ -122,15 +150,21 @@ def analyze(run_dir: str | Path, figures: list[str], images: int, seed: int, ema
     run = load_run(run_dir, ema=ema)
     analysis = analyse(run, figures, images=images, seed=seed, token_slot=token_slot, device=device,
                        io_patterns=slots, io_max=max_slots)
-    final = run.dir / "analysis"
-    tmp = Path(tempfile.mkdtemp(prefix=".analysis-", dir=run.dir))
+    final = Path(out) if out is not None else run.dir / "analysis"
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_killed_analyses(final.parent)
+        tmp = _temporary(final.parent, secrets.token_hex(3))
+        tmp.mkdir()
+    except OSError as e:
+        raise storage_error(e, "write the analysis elsewhere: --out <dir>") or e from e
     try:
         files = write_analysis(analysis, tmp)
         summary = run_summary(analysis, figures, seed, files + ["summary.json"])
         _write_json(tmp / "summary.json", summary)
         old = None
         if final.exists():
-            old = run.dir / f".analysis-old-{os.getpid()}"
+            old = _temporary(final.parent, "old")
             final.rename(old)
         tmp.rename(final)
         if old is not None:
@@ -158,13 +192,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-ema", action="store_true",
                         help="the trained weights even where the run reports its EMA's")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+    parser.add_argument("--out", default=None, help="where the analysis goes (default: <run dir>/analysis)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
         figures = parse_figures(args.figures)
         out, summary = analyze(args.run, figures, args.images, args.seed, ema=False if args.no_ema else None,
                                token_slot=args.token_slot, device=args.device,
-                               slots=args.slots.split(",") if args.slots else None, max_slots=args.max_slots)
+                               slots=args.slots.split(",") if args.slots else None, max_slots=args.max_slots,
+                               out=args.out)
     except UserError as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)

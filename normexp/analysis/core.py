@@ -10,7 +10,6 @@ the hooks of every requested analysis on at the same time, and returns a :class:
 
 from __future__ import annotations
 
-import json
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -18,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from omegaconf import OmegaConf
 from torch import nn
 
 from ..engine.alpha_probe import ALPHA_KEY, STD_KEY
 from ..errors import UserError
-from ..tracking.records import read_metrics
+from ..tracking.records import logged_rows, read_config, read_summary
 from .attention import AttentionRecorder, AttentionResult
 from .io import IOSampler, SlotSample, io_numbers, scalar_alpha
 from .slots import hooked_slots, norm_slot_names
@@ -66,11 +64,8 @@ def load_run(run_dir: str | Path, ema: bool | None = None) -> LoadedRun:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"'{run_dir}' is not a run directory (no config.yaml)")
-    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        summary = {}
+    config = read_config(run_dir)  # a damaged record: one line saying what is wrong
+    summary = read_summary(run_dir) if (run_dir / "summary.json").is_file() else {}
     status = summary.get("status", "unknown")
     if status == "diverged":
         raise UserError(f"run '{run_dir}' diverged ({summary.get('error', 'non-finite loss')}): its weights "
@@ -171,9 +166,7 @@ class RunAnalysis:
 def alpha_history(run_dir: Path) -> dict[str, list[tuple[int, float, float]]]:
     """Per slot, ``(epoch, alpha, input std)`` from the epoch rows of ``metrics.jsonl``."""
     history: dict[str, list[tuple[int, float, float]]] = {}
-    if not (run_dir / "metrics.jsonl").is_file():
-        return history
-    for row in read_metrics(run_dir):
+    for row in logged_rows(run_dir) or []:
         for key, value in row.items():
             if key.startswith(ALPHA_KEY) and row.get("epoch") is not None:
                 slot = key[len(ALPHA_KEY):]
@@ -258,7 +251,10 @@ def analyse(run: LoadedRun, analyses: list[str], images: int = 16, seed: int = 0
     if "alpha" in analyses and alpha_slots:
         result.alpha = [AlphaLayer(s, scalar_alpha(model.get_submodule(s)), stds.std(s)) for s in alpha_slots]
         result.alpha_history = alpha_history(run.dir)
-        if not result.alpha_history:
+        if not result.alpha_history and not run.epoch:
+            result.notes["alpha"] = ["no epoch of this run has ended yet (alpha is logged at the end of each "
+                                     "epoch): the over-training panel fills in as epochs end"]
+        elif not result.alpha_history:
             result.notes["alpha"] = ["metrics.jsonl logs no alpha per epoch (a run trained before the "
                                      "per-epoch alpha log): the over-training panel is empty; re-train to "
                                      "fill it"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 from dataclasses import dataclass
 from numbers import Number
 from pathlib import Path
@@ -26,12 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import OmegaConf
-from PIL import Image
 from pycocotools.coco import COCO
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import UserError
 from .coco_digits import generate_coco_digits
+from .images import BadImages, load_rgb
 from .loaders import default_cache_dir, make_loader
 
 LAYOUT = "<root>/annotations/instances_<split>.json and <root>/<split>/*.jpg"
@@ -61,6 +62,10 @@ def _bad(path: Path, where: str, field: str, why: str) -> UserError:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite(v: Any) -> bool:
+    return isinstance(v, Number) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def check_annotations(dataset: Any, path: Path, masks: bool) -> None:
@@ -95,11 +100,12 @@ def check_annotations(dataset: Any, path: Path, masks: bool) -> None:
         if ann.get("category_id") not in category_ids:
             raise _bad(path, where, "category_id", f"names no category ({ann.get('category_id')!r})")
         box = ann.get("bbox")
-        if (not isinstance(box, list) or len(box) != 4 or not all(isinstance(v, Number) for v in box)
+        if (not isinstance(box, list) or len(box) != 4 or not all(_is_finite(v) for v in box)
                 or box[2] < 0 or box[3] < 0):
-            raise _bad(path, where, "bbox", f"must be [x, y, width, height], width and height >= 0: {box!r}")
-        if not isinstance(ann.get("area"), Number):
-            raise _bad(path, where, "area", f"must be a number, got {ann.get('area')!r}")
+            raise _bad(path, where, "bbox", f"must be [x, y, width, height] of finite numbers, width and "
+                       f"height >= 0: {box!r}")
+        if not _is_finite(ann.get("area")):
+            raise _bad(path, where, "area", f"must be a finite number, got {ann.get('area')!r}")
         if ann.get("iscrowd") not in (0, 1):  # COCOeval reads it for every annotation
             raise _bad(path, where, "iscrowd", f"must be 0 or 1, got {ann.get('iscrowd')!r}")
         segmentation = ann.get("segmentation")
@@ -137,28 +143,48 @@ class CocoDetection(Dataset):
     """One split of a COCO tree; ``hflip``: probability of a horizontal flip (training).
 
     ``filter_empty_gt`` / ``min_image_size``: leave out images without annotations / smaller than that
-    (training sets, see the module docstring); evaluation sets keep every image.
+    (training sets, see the module docstring); evaluation sets keep every image. Image files that are
+    missing (one ``stat`` each, at construction) or do not read follow ``on_bad_image`` as ImageFolder's do
+    (``normexp.data.images.BadImages``): in training (``replace``) the next readable image takes the place
+    of one, in evaluation it is left out (None) and so is its ground truth from COCOeval.
     """
 
     def __init__(self, root: str | Path, split: str, masks: bool, hflip: float = 0.0,
-                 filter_empty_gt: bool = False, min_image_size: int = 0) -> None:
+                 filter_empty_gt: bool = False, min_image_size: int = 0, on_bad_image: str = "skip",
+                 replace: bool = False) -> None:
         self.folder = Path(root) / split
-        self.coco = load_coco(annotation_path(root, split), masks)
-        self.image_ids = [i for i in sorted(self.coco.imgs)
-                          if min(self.coco.imgs[i]["width"], self.coco.imgs[i]["height"]) >= min_image_size
-                          and not (filter_empty_gt and not self.coco.imgToAnns[i])]
+        path = annotation_path(root, split)
+        self.coco = load_coco(path, masks)
+        small = {i for i, info in self.coco.imgs.items()
+                 if min(info["width"], info["height"]) < min_image_size}
+        empty = {i for i in self.coco.imgs if filter_empty_gt and not self.coco.imgToAnns[i]}
+        self.image_ids = [i for i in sorted(self.coco.imgs) if i not in small | empty]
+        if not self.image_ids:
+            why = [f"{len(small)} smaller than data.min_image_size={min_image_size} px" if small else "",
+                   f"{len(empty)} without annotations (data.filter_empty_gt)" if empty else ""]
+            raise UserError(f"'{path}' leaves no image to read: of its {len(self.coco.imgs)} images, "
+                            + (", ".join(w for w in why if w) or "there are none") + ": check the file and "
+                            "those settings")
         self.category_ids = sorted(self.coco.cats)
         self.label_of = {cat: i + 1 for i, cat in enumerate(self.category_ids)}
-        self.masks, self.hflip = masks, hflip
+        self.masks, self.hflip, self.replace = masks, hflip, replace
+        self.bad = BadImages([str(self.folder / self.coco.imgs[i]["file_name"]) for i in self.image_ids],
+                             on_bad_image, self.folder)
+        self.bad.check_present()
 
     def __len__(self) -> int:
         return len(self.image_ids)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def bad_files(self) -> list[str]:
+        return self.bad.bad_files()
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        return self.bad.read(i, self.load, self.replace)
+
+    def load(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         image_id = self.image_ids[i]
-        info = self.coco.imgs[image_id]
-        with Image.open(self.folder / info["file_name"]) as f:
-            image = torch.from_numpy(np.asarray(f.convert("RGB"), dtype=np.float32) / 255).permute(2, 0, 1)
+        image = load_rgb(self.bad.files[i])
+        image = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)
         anns = [a for a in self.coco.imgToAnns[image_id]
                 if not a["iscrowd"] and a["bbox"][2] >= 1 and a["bbox"][3] >= 1 and a["area"] > 0]
         if self.masks:  # an instance without a drawable mask is no Mask R-CNN target
@@ -182,10 +208,11 @@ class CocoDetection(Dataset):
         return image, target
 
 
-def collate(batch: list[tuple[torch.Tensor, dict[str, Any]]]) -> tuple[list, list]:
-    """Images differ in size: the detector batches (resizes and pads) them itself."""
-    images, targets = zip(*batch, strict=True)
-    return list(images), list(targets)
+def collate(batch: list[tuple[torch.Tensor, dict[str, Any]] | None]) -> tuple[list, list]:
+    """Images differ in size: the detector batches (resizes and pads) them itself. An image that did not
+    read (None, in evaluation) is left out; a batch may end up empty."""
+    readable = [item for item in batch if item is not None]
+    return [image for image, _ in readable], [target for _, target in readable]
 
 
 @dataclass
@@ -210,9 +237,10 @@ def detection_root(cfg: Any) -> Path:
 def build_detection_data(cfg: Any, seed: int, masks: bool) -> DetectionData:
     root = detection_root(cfg)
     train_split, val_split = cfg.train_split, cfg.val_split
+    on_bad = cfg.get("on_bad_image", "skip")
     train = CocoDetection(root, train_split, masks, hflip=cfg.hflip, filter_empty_gt=cfg.filter_empty_gt,
-                          min_image_size=cfg.min_image_size)
-    val = CocoDetection(root, val_split, masks)
+                          min_image_size=cfg.min_image_size, on_bad_image=on_bad, replace=True)
+    val = CocoDetection(root, val_split, masks, on_bad_image=on_bad)
     if train.category_ids != val.category_ids:
         raise UserError(f"'{annotation_path(root, train_split)}' and '{annotation_path(root, val_split)}' "
                         "have different categories")

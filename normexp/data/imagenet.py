@@ -6,8 +6,6 @@ sorted into class folders, as the usual ``valprep.sh`` does).
 
 from __future__ import annotations
 
-import logging
-import multiprocessing
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +14,9 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import UserError
+from .images import BadImages, class_folders, folder_key, image_files, load_rgb
 from .loaders import ClassificationData, make_loader
 from .transforms import build_transforms
-
-log = logging.getLogger(__name__)
 
 LAYOUT = "<root>/train/<wnid>/*.JPEG and <root>/val/<wnid>/*.JPEG"
 
@@ -37,7 +34,7 @@ def check_imagefolder_root(root: str | None, splits: tuple[str, ...], num_classe
         split_dir = root_path / split
         if not split_dir.is_dir():
             raise UserError(f"ImageNet root '{root}' has no '{split}/' folder: expected layout {LAYOUT}")
-        classes = sorted(d.name for d in split_dir.iterdir() if d.is_dir())
+        classes = class_folders(split_dir)
         if not classes:
             raise UserError(f"'{split_dir}' holds no class folders: expected layout {LAYOUT}")
         empty = next((c for c in classes if not any(
@@ -55,46 +52,40 @@ def check_imagefolder_root(root: str | None, splits: tuple[str, ...], num_classe
 
 
 class SafeImageFolder(ImageFolder):
-    """ImageFolder that survives unreadable files (real ImageNet trees hold a few corrupt or mislabeled-format
-    files). ``skip``: each unreadable file is marked (in memory shared with the loader workers, so every
-    process's count is exact) and, in training (``replace=True``), replaced by the next readable image of
-    the folder -- as timm's ``ImageDataset`` does -- so every batch keeps its size (Mixup / CutMix need an
-    even one, and the processes of a job the same); in evaluation it is left out of its batch, so every
-    image is counted at most once. ``fail`` stops with one line naming the file."""
+    """ImageFolder for real trees: unreadable files under ``data.on_bad_image`` (:class:`BadImages`; in
+    training (``replace=True``) one is replaced by the next readable image, as timm's ``ImageDataset`` does,
+    so every batch keeps its size -- Mixup / CutMix need an even one, and the processes of a job the same;
+    in evaluation it is left out of its batch, so every image is counted at most once), 16-bit images
+    scaled, and symbolic links followed once each (:func:`image_files`)."""
 
     def __init__(self, root: Path, transform: Any, on_bad_image: str, replace: bool = False) -> None:
-        super().__init__(root, transform=transform)
-        self.on_bad_image, self.replace = on_bad_image, replace
-        self.bad = multiprocessing.Array("b", len(self.samples), lock=False)  # 1: this file could not be read
+        super().__init__(root, transform=transform, loader=load_rgb)
+        self.replace = replace
+        self.bad = BadImages([path for path, _ in self.samples], on_bad_image, root)
+
+    def find_classes(self, directory: str | Path) -> tuple[list[str], dict[str, int]]:
+        classes = class_folders(Path(directory))
+        return classes, {name: i for i, name in enumerate(classes)}
+
+    @staticmethod
+    def make_dataset(directory: str | Path, class_to_idx: dict[str, int], extensions: Any = None,
+                     is_valid_file: Any = None, allow_empty: bool = False) -> list[tuple[str, int]]:
+        directory = Path(directory)
+        seen = {folder_key(directory), *(folder_key(directory / c) for c in class_to_idx)}  # shared: no
+        return [(path, index) for name, index in sorted(class_to_idx.items(), key=lambda item: item[1])
+                for path in image_files(directory / name, seen)]  # folder is listed under two labels
 
     def __getitem__(self, index: int) -> tuple[Any, int] | None:
-        for offset in range(len(self.samples)):
-            i = (index + offset) % len(self.samples)
-            try:
-                return super().__getitem__(i)
-            except (OSError, SyntaxError, ValueError) as e:  # truncated, not an image, bad header
-                path = self.samples[i][0]
-                if self.on_bad_image == "fail":
-                    raise UserError(f"cannot read image '{path}' ({type(e).__name__}: {e}): remove or "
-                                    "replace it, or skip unreadable images: data.on_bad_image=skip") from None
-                if not self.bad[i]:
-                    log.warning("skipping unreadable image %s (%s: %s)", path, type(e).__name__, e)
-                self.bad[i] = 1
-                if not self.replace:
-                    return None
-        raise UserError(f"none of the {len(self.samples)} images under '{self.root}' can be read")
+        return self.bad.read(index, super().__getitem__, self.replace)
 
     def bad_files(self) -> list[str]:
-        return [self.samples[i][0] for i, flag in enumerate(self.bad) if flag]
+        return self.bad.bad_files()
 
 
 def collate_readable(batch: list[Any]) -> Any:
-    """The default collate of the samples that could be read (evaluation batches)."""
+    """The default collate of the samples that could be read (evaluation batches); None when none could."""
     readable = [sample for sample in batch if sample is not None]
-    if not readable:
-        raise UserError(f"none of the {len(batch)} images of a batch could be read: check the dataset "
-                        "(the log names each unreadable file)")
-    return default_collate(readable)
+    return default_collate(readable) if readable else None
 
 
 def build_imagenet(cfg, seed: int) -> ClassificationData:

@@ -15,14 +15,43 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from ..errors import UserError
-from ..tracking.records import write_atomic
+from ..tracking.records import read_config, write_atomic
+
+
+class _KeepsWriteErrors:
+    """A file whose write errors are kept: torch's zip writer turns them into a RuntimeError that no longer
+    says what the file system said (no space, a quota)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    write_atomic(Path(path), lambda f: torch.save(state, f))
+    """``state`` to ``path``, whole or not at all; a full disk or quota is the OSError it is."""
+    path = Path(path)
+
+    def write(f: Any) -> None:
+        kept = _KeepsWriteErrors(f)
+        try:
+            torch.save(state, kept)
+        except RuntimeError:
+            if kept.error is None:
+                raise
+            raise OSError(kept.error.errno, kept.error.strerror, str(path)) from None
+
+    write_atomic(path, write)
 
 
 def damaged_record(path: Path) -> str | None:
@@ -78,7 +107,7 @@ def checkpoint_run_config(source: str | Path) -> dict[str, Any] | None:
     """The resolved config of the run that wrote a checkpoint (None for a foreign file without one)."""
     path = Path(source)
     if (path / "config.yaml").is_file():
-        return yaml.safe_load((path / "config.yaml").read_text())
+        return read_config(path)
     state = load_checkpoint(path)
     return state.get("config") if isinstance(state, dict) else None
 

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .. import distributed
+from ..errors import UserError
 from .precision import Precision
 
 
@@ -43,6 +44,8 @@ def count_predictions(model: nn.Module, loader: DataLoader, precision: Precision
     hits = torch.zeros(len(topk), num_groups, dtype=torch.long, device=device)
     seen = torch.zeros(num_groups, dtype=torch.long, device=device)
     for batch in tqdm(loader, desc=desc, disable=not progress, leave=False):
+        if batch is None:  # none of its images could be read (data.on_bad_image=skip)
+            continue
         images = batch[0].to(device, non_blocking=True)
         labels = batch[1].to(device, non_blocking=True)
         group = batch[2].to(device, non_blocking=True) if len(batch) > 2 else torch.zeros_like(labels)
@@ -62,6 +65,9 @@ def count_predictions(model: nn.Module, loader: DataLoader, precision: Precision
 def classification_metrics(counts: Counts, names: tuple[str, ...], prefix: str) -> dict[str, float]:
     """``<prefix>/loss`` and ``<prefix>/<name>`` (percent, one per top-k counted) of a one-group count."""
     seen = int(counts.seen[0])
+    if seen == 0:
+        raise UserError("none of the evaluation images could be read: check the dataset (the log names each "
+                        "unreadable file)")
     metrics = {f"{prefix}/loss": float(counts.loss[0]) / seen}
     metrics.update({f"{prefix}/{name}": 100 * int(counts.hits[i, 0]) / seen for i, name in enumerate(names)})
     return metrics

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .. import distributed
+from ..data.images import unreadable_files
 from ..data.loaders import set_epoch
 from ..errors import UserError
 from ..tracking.records import RunRecord
@@ -145,36 +146,46 @@ class Trainer:
         """Train and evaluate; returns ``{"final": last evaluation, "best": best evaluation}``.
 
         On divergence :class:`Diverged` propagates with the metrics reached so far (the last finite ones);
-        on a stop signal :class:`Interrupted` propagates after the checkpoint is written.
+        on a stop signal :class:`Interrupted` propagates after the checkpoint is written. Either way the
+        record counts the image files the loaders skipped (``data.on_bad_image=skip``).
         """
-        with self.stop:
-            while self.epoch < self.cfg.epochs:
-                epoch = self.epoch
-                self.step_epoch_schedule(epoch)
-                train_stats = self.train_one_epoch(epoch)
-                row = {"epoch": epoch + 1, "step": self.update, **train_stats}
-                if (epoch + 1) % self.cfg.eval_interval == 0 or epoch + 1 == self.cfg.epochs:
-                    row.update(self.evaluate(self.module, "val"))
-                    if self.ema is not None:
-                        row.update(self.evaluate(self.ema.module, "ema/val"))
-                    final = {k: v for k, v in row.items() if "/" in k and not k.startswith("train/")}
-                    final["epoch"] = epoch + 1
-                    best = self.metrics["best"]
-                    if not best or final[self.cfg.best_metric] > best[self.cfg.best_metric]:
-                        best = dict(final)
-                    self.metrics = {"final": final, "best": best, "reported": self.reported(final)}
-                    log.info("epoch %d/%d  %s", epoch + 1, self.cfg.epochs,
-                             "  ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
-                row.update(alpha_probe(self.module, self.data.val))  # DyT's alpha, its input's std: per layer
-                self.record.log(row)
-                self.epoch, self.batch = epoch + 1, 0
-                if self.cfg.checkpoint:
-                    save_training_state(self)
-                if self.epoch < self.cfg.epochs and self.stop.requested(self.update, every_update=True):
-                    if not self.cfg.checkpoint:
-                        save_training_state(self)
-                    raise self.stop.interrupted(self.update)
+        try:
+            with self.stop:
+                while self.epoch < self.cfg.epochs:
+                    self.fit_epoch()
+        finally:  # also in a record that ends diverged, interrupted or failed
+            bad = unreadable_files(loader.dataset for loader in (self.data.train, self.data.val))
+            self.record.update(bad_images=len(bad), **({"bad_image_files": bad[:20]} if bad else {}))
         return self.metrics
+
+    def fit_epoch(self) -> None:
+        """One epoch: train, evaluate when due, log the epoch's row, checkpoint; stop here when a signal came
+        during the epoch."""
+        epoch = self.epoch
+        self.step_epoch_schedule(epoch)
+        train_stats = self.train_one_epoch(epoch)
+        row = {"epoch": epoch + 1, "step": self.update, **train_stats}
+        if (epoch + 1) % self.cfg.eval_interval == 0 or epoch + 1 == self.cfg.epochs:
+            row.update(self.evaluate(self.module, "val"))
+            if self.ema is not None:
+                row.update(self.evaluate(self.ema.module, "ema/val"))
+            final = {k: v for k, v in row.items() if "/" in k and not k.startswith("train/")}
+            final["epoch"] = epoch + 1
+            best = self.metrics["best"]
+            if not best or final[self.cfg.best_metric] > best[self.cfg.best_metric]:
+                best = dict(final)
+            self.metrics = {"final": final, "best": best, "reported": self.reported(final)}
+            log.info("epoch %d/%d  %s", epoch + 1, self.cfg.epochs,
+                     "  ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
+        row.update(alpha_probe(self.module, self.data.val))  # DyT's alpha, its input's std: per layer
+        self.record.log(row)
+        self.epoch, self.batch = epoch + 1, 0
+        if self.cfg.checkpoint:
+            save_training_state(self)
+        if self.epoch < self.cfg.epochs and self.stop.requested(self.update, every_update=True):
+            if not self.cfg.checkpoint:
+                save_training_state(self)
+            raise self.stop.interrupted(self.update)
 
     def train_one_epoch(self, epoch: int) -> dict[str, float]:
         self.model.train()

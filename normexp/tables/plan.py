@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ class PlannedRun:
     """One run a table needs: the overrides it is launched with and the points (rows x seeds) it serves.
 
     ``blocked``: why it cannot run yet (a run it starts from, e.g. a pretrained backbone, has no result).
+    A ``damaged`` record is shown as such and never launched again over: its directory is the user's to
+    repair or move away.
     """
 
     run_id: str
@@ -62,6 +65,10 @@ class PlannedRun:
     @property
     def done(self) -> bool:
         return self.status in DONE
+
+    @property
+    def damaged(self) -> bool:
+        return self.status == "damaged"
 
     @property
     def live(self) -> bool:
@@ -89,15 +96,18 @@ class TablePlan:
         return [(p, r) for r in self.runs for p in r.points]
 
     def to_run(self) -> list[PlannedRun]:
-        return [r for r in self.runs if not r.done and not r.live and not r.blocked]
+        return [r for r in self.runs if not r.done and not r.live and not r.blocked and not r.damaged]
 
     def blocked(self) -> list[PlannedRun]:
         return [r for r in self.runs if not r.done and not r.live and r.blocked]
 
+    def damaged(self) -> list[PlannedRun]:
+        return [r for r in self.runs if r.damaged]
+
     def refresh(self, root: Path | None = None) -> None:
         """Read the runs' records again (after a launch, or a wait for another process): same runs, new
         statuses."""
-        index = index_records(tables_root(root))
+        index = index_records(tables_root(root), with_config=True, damaged=True)
         for run in self.runs:
             run.record = index.get(run.run_id)
 
@@ -143,9 +153,10 @@ class TablePlan:
 
 
 def _override_value(value: Any) -> str:
-    """A label as a Hydra override value (quoted unless it is a plain word or number)."""
+    """A label or path as a Hydra override value: quoted unless it is a plain ASCII word, number or path
+    (Hydra's grammar takes no other character unquoted: ``str.isalnum`` is true of ``ü`` too)."""
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-    plain = text.replace("_", "").replace("-", "").replace(".", "").replace("/", "").isalnum()
+    plain = re.fullmatch(r"[A-Za-z0-9_./-]+", text) is not None
     return text if plain else "'" + text.replace("'", "\\'") + "'"
 
 
@@ -162,7 +173,7 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
     as ``normexp.run`` does before it records.
     """
     seeds = tuple(seeds) if seeds else scale.seeds
-    index = index_records(tables_root(root))
+    index = index_records(tables_root(root), with_config=True, damaged=True)
     linked: dict[str, list[tuple[Point, PlannedRun]]] = {}
     runs: dict[str, PlannedRun] = {}
     for point in expand_blocks(spec, seeds):

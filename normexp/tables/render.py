@@ -57,7 +57,7 @@ def delta(value: float | None, metric: Metric) -> str:
 
 # ---------------------------------------------------------------- provenance
 def provenance(result: TableResult) -> dict[str, Any]:
-    records = [run.record for run in result.plan.runs if run.record is not None]
+    records = [run.record for run in result.plan.runs if run.record is not None and run.record.damage is None]
     commits = sorted({(get_path(r.summary, "git.commit") or "unknown")[:10]
                       + ("+dirty" if get_path(r.summary, "git.dirty") else "") for r in records})
     hardware = sorted({describe_hardware(r.summary.get("hardware")) for r in records})
@@ -95,6 +95,8 @@ def caption(result: TableResult) -> list[str]:
                  f"commit {commits}; {hardware}.")
     lines.append("Cells: mean ± std (n completed seeds); `diverged@<step>`: the training loss became "
                  "non-finite at that step (a result); `failed`, `missing`: no result.")
+    if any(run.damaged for run in result.plan.runs):
+        lines.append("`damaged`: a record that does not read back (`normexp table run` names what is wrong).")
     lines += shared_runs_notes(result)
     if spec.paper_note:
         lines.append(f"Paper values: {spec.paper_note}")
@@ -362,12 +364,12 @@ def plot_curves(result: TableResult, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..tracking.records import read_metrics
+    from ..tracking.records import logged_rows
 
     spec = result.spec
     rows = [r for r in result.rows if r.same_as is None]
-    logs = {run.run_id: read_metrics(run.record.dir) for r in rows for _, run in r.points
-            if run.record is not None and (run.record.dir / "metrics.jsonl").is_file()}
+    runs = {run.run_id: run.record.dir for r in rows for _, run in r.points if run.record is not None}
+    logs = {run_id: found for run_id, where in runs.items() if (found := logged_rows(where)) is not None}
     finals = [p.removeprefix("metrics.final.") for m in spec.metrics for p in m.value
               if p.startswith("metrics.final.")]  # the first the runs log (EMA's where there is an EMA)
     val_key = next((k for k in finals if any(k in r for log in logs.values() for r in log)), None)

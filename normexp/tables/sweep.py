@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
+from pathlib import Path
 from typing import Any
 
 from omegaconf import read_write
 
 from ..errors import UserError, one_line
+from ..tracking.records import DONE, load_record
 from .plan import PlannedRun, TablePlan, plan_table, table_dir
 from .spec import get_path, load_scale, load_table
 
@@ -58,15 +59,21 @@ def print_plan(plan: TablePlan, dry_run: bool) -> None:
     spec, scale = plan.spec, plan.scale
     done = [r for r in plan.runs if r.done]
     todo, blocked, busy = plan.to_run(), plan.blocked(), plan.busy()
+    damaged = plan.damaged()
     print(f"table {spec.id} at scale {scale.name}: {len(plan.points)} points, {len(plan.runs)} distinct "
           f"runs; {len(done)} done (skipped), {len(todo)} to run, {len(blocked)} blocked"
-          + (f", {len(busy)} running elsewhere" if busy else ""), flush=True)
+          + (f", {len(busy)} running elsewhere" if busy else "")
+          + (f", {len(damaged)} damaged" if damaged else ""), flush=True)
     for run in done:
         print(f"  skip  {describe(plan, run)}: {run.status} at {run.record.dir}")  # type: ignore[union-attr]
     for run in busy:
         print(f"  busy  {describe(plan, run)}: running in {run.owner()}")
     for run in blocked:
         print(f"  wait  {describe(plan, run)}: {run.blocked}")
+    for run in damaged:
+        record = run.record
+        print(f"  damaged {describe(plan, run)}: {record.dir}: {record.damage} -- repair it, or move the "
+              "directory away to run it again")
     for run in todo:
         why = "" if run.status == "missing" else f" (was {run.status}: re-run)"
         print(f"  run   {describe(plan, run)}{why}")
@@ -102,11 +109,17 @@ def run_table_sweep(sweeper: Any, arguments: list[str]) -> list[Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     returns = sweeper.launcher.launch([plan.job_overrides(run) for run in todo], initial_job_idx=0)
     print(f"table {spec.id} at scale {scale.name}: launched {len(todo)} run(s)")
-    for run, job in zip(todo, returns, strict=False):
-        summary = out_dir / run.dir_name / "summary.json"
-        status = json.loads(summary.read_text())["status"] if summary.is_file() else "no record"
-        error = getattr(job, "_return_value", None)  # a job refused before its record: why (one line)
-        why = f" ({one_line(error)})" if status == "no record" and isinstance(error, BaseException) else ""
-        print(f"  {status:9s} {describe(plan, run)}: {out_dir / run.dir_name}{why}")
-    print(flush=True)
+    print_launched(plan, todo, returns, out_dir)
     return [returns]
+
+
+def print_launched(plan: TablePlan, runs: list[PlannedRun], returns: list[Any], out_dir: Path) -> None:
+    """A line per launched run: the status its record says (``damaged`` if it does not read back, ``no
+    record``) and, for a job that ended without a result, why -- as the job reported it, in one line."""
+    for run, job in zip(runs, returns, strict=False):
+        record = out_dir / run.dir_name
+        status = load_record(record).status if (record / "summary.json").is_file() else "no record"
+        error = getattr(job, "_return_value", None)
+        why = f" ({one_line(error)})" if status not in DONE and isinstance(error, BaseException) else ""
+        print(f"  {status:9s} {describe(plan, run)}: {record}{why}")
+    print(flush=True)

@@ -15,7 +15,6 @@ from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 
-from .. import distributed
 from ..data import build_classification_data
 from ..engine.evaluate import classification_metrics, count_predictions
 from ..engine.trainer import Trainer
@@ -71,12 +70,6 @@ class ClassificationTrainer(Trainer):
         return classification_metrics(counts, ("top1", "top5"), prefix)
 
 
-def unreadable_images(data: Any) -> list[str]:
-    """The files the loaders of every process skipped as unreadable (``data.on_bad_image=skip``)."""
-    files = {f for loader in (data.train, data.val) for f in getattr(loader.dataset, "bad_files", list)()}
-    return sorted(set().union(*distributed.all_gather_objects(files)))
-
-
 def check_classification(cfg: Any) -> None:
     """Before any work: the settings of the corruption evaluation after training, when it is on."""
     settings = cfg.task.get("robustness")
@@ -96,11 +89,7 @@ def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
     settings = cfg.task.get("robustness")
     robustness = settings is not None and settings.enabled
     trainer = ClassificationTrainer(cfg.trainer, model, data, record)
-    try:
-        metrics = trainer.fit()
-    finally:  # also in a record that ends diverged or failed
-        bad = unreadable_images(data)
-        record.update(bad_images=len(bad), **({"bad_image_files": bad[:20]} if bad else {}))
+    metrics = trainer.fit()
     record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
     if robustness:  # the final model, into this record
         evaluated = trainer.ema.module if settings.ema else trainer.module

@@ -52,21 +52,25 @@ class DetectionTrainer(Trainer):
         """COCOeval of every process's detections, gathered on process 0 (which scores them once)."""
         model.eval()
         masks = hasattr(model, "roi_heads") and model.roi_heads.has_mask()  # Mask R-CNN
-        bbox, segm = [], []
+        bbox, segm, seen = [], [], []
         for images, targets in tqdm(self.data.val, desc=prefix, disable=not self.progress, leave=False):
+            if not images:  # every image of the batch was unreadable (data.on_bad_image=skip)
+                continue
             # float32: torchvision decodes boxes in the regression dtype, and bf16 steps by 4 px at 1000 px
             outputs = model([image.to(self.device) for image in images])
             for target, output in zip(targets, outputs, strict=True):
-                b, s = coco_results(int(target["image_id"]), output, self.data.category_ids, masks)
+                seen.append(int(target["image_id"]))
+                b, s = coco_results(seen[-1], output, self.data.category_ids, masks)
                 bbox += b
                 segm += s
-        gathered = distributed.all_gather_objects((bbox, segm))
+        gathered = distributed.all_gather_objects((bbox, segm, seen))
         metrics = {}
         if self.dist.is_main:
             bbox = [r for part in gathered for r in part[0]]
             segm = [r for part in gathered for r in part[1]]
+            evaluated = sorted({i for part in gathered for i in part[2]})  # the images that were read
             for iou_type, results in (("bbox", bbox), ("segm", segm)) if masks else (("bbox", bbox),):
-                stats, table = coco_evaluate(self.data.val_coco, results, iou_type)
+                stats, table = coco_evaluate(self.data.val_coco, results, iou_type, image_ids=evaluated)
                 log.info("%s %s:\n%s", prefix, iou_type, table)
                 metrics.update({f"{prefix}/{iou_type}_{k}": v for k, v in stats.items()})
         return distributed.broadcast_object(metrics)

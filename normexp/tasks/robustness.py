@@ -18,7 +18,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
@@ -45,7 +44,7 @@ from ..metrics.robustness import (
 )
 from ..models import build_backbone
 from ..models.stats import count_params
-from ..tracking.records import RunRecord, read_summary
+from ..tracking.records import RunRecord, read_config, read_summary
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +80,10 @@ def reference_normaliser(run_dir: str | Path, data_name: str, corruptions: list[
     """A run's own errors (averaged over ``severities``) as the CE normaliser."""
     run_dir = Path(run_dir)
     try:
-        summary = read_summary(run_dir)
-        config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"reference_run '{run_dir}' is not a readable run directory: {e}") from e
+        summary, config = read_summary(run_dir), read_config(run_dir)  # damaged: one line saying why
+    except FileNotFoundError as e:
+        missing = Path(e.filename).name
+        raise UserError(f"reference_run '{run_dir}' is not a run directory (no {missing})") from e
     results = summary.get("metrics", {}).get("robustness")
     if not results:
         raise UserError(f"reference_run '{run_dir}' has no robustness results (status "

@@ -7,15 +7,17 @@ Another process that finds the lock asks whether its owner is alive -- on the sa
 with that pid and start time; on another host (a shared file system, a SLURM array): is the heartbeat
 younger than ``STALE_AFTER_S``. A live owner means the run is someone else's (:class:`RunBusy`); an owner
 that is gone (kill -9, a lost node) leaves a stale lock, which the next claimant takes over -- under a
-second, short-lived ``O_EXCL`` file, so that two claimants never both take it. ``release()`` removes the
-lock when the run ends, however it ends; a killed process leaves it, and readers then see the run's
-``running`` record as ``interrupted`` (``normexp.tracking.records.effective_status``).
+second, short-lived ``O_EXCL`` file, so that two claimants never both take it -- as it takes over a lock
+still empty or unreadable seconds after its creation (its writer died before writing it). ``release()``
+removes the lock when the run ends, however it ends; a killed process leaves it, and readers then see the
+run's ``running`` record as ``interrupted`` (``normexp.tracking.records.effective_status``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -28,9 +30,12 @@ from typing import Any
 
 from ..errors import UserError
 
+log = logging.getLogger(__name__)
+
 LOCK_NAME = "run.lock"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0  # a lock from another host without a heartbeat for this long: its owner is gone
+UNREADABLE_AFTER_S = 2.0  # a lock still empty or unreadable this long after its creation: its writer died
 _TAKEOVER_STALE_S = 60.0
 
 
@@ -43,7 +48,8 @@ def _process_start(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counted after the parenthesised name
 
 
-def _pid_exists(pid: int) -> bool:
+def pid_exists(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (anyone's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -66,7 +72,7 @@ class LockOwner:
     @property
     def alive(self) -> bool:
         if self.host == socket.gethostname():
-            if not _pid_exists(self.pid):
+            if not pid_exists(self.pid):
                 return False
             start = _process_start(self.pid)
             return self.pid_start is None or start is None or start == self.pid_start
@@ -155,9 +161,10 @@ class RunLock:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 owner = read_owner(run_dir)
-                if owner is None:  # being written this instant, or unreadable: look again shortly
+                if owner is None:  # being written this instant -- or empty or garbage for good
                     with contextlib.suppress(OSError):
-                        if time.time() - path.stat().st_mtime > STALE_AFTER_S:
+                        if time.time() - path.stat().st_mtime > UNREADABLE_AFTER_S:
+                            log.warning("%s names no live owner (empty or unreadable): taking it over", path)
                             cls._take_over(run_dir, None)
                     time.sleep(0.05)
                     continue

@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from .provenance import config_hash
-from .records import display_name, output_root, read_metrics, run_labels
+from .records import (
+    DamagedRecord,
+    display_name,
+    logged_rows,
+    output_root,
+    read_metrics,
+    run_labels,
+    warn_damaged,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +123,10 @@ class _Store:
             self.client.log_batch(run_id, metrics=items[i:i + 1000])
 
     def finish(self, run_id: str, record_dir: Path, summary: dict[str, Any], artifacts: bool,
-               end_time: int | None = None) -> None:
-        step = max((r.get("step") or 0 for r in _rows(record_dir)), default=0)
+               end_time: int | None = None, rows: list[dict[str, Any]] | None = None) -> None:
+        """The summary's metrics at the last logged step (of ``rows``, else of the record's log), the status
+        and the artifacts; the run ended."""
+        step = last_step(_rows(record_dir) if rows is None else rows)
         now = end_time or int(time.time() * 1000)
         self.log_metrics(run_id, [(summary_metrics(summary), step, now)])
         self.client.set_tag(run_id, "status", summary.get("status", "unknown"))
@@ -142,7 +152,11 @@ class _Store:
 
 
 def _rows(record_dir: Path) -> list[dict[str, Any]]:
-    return read_metrics(record_dir) if (record_dir / "metrics.jsonl").is_file() else []
+    return logged_rows(record_dir) or []
+
+
+def last_step(rows: list[dict[str, Any]]) -> int:
+    return max((r.get("step") or 0 for r in rows), default=0)
 
 
 def mlflow_tags(config: dict[str, Any], run_dir: Path, run_id: str) -> dict[str, str]:
@@ -185,21 +199,24 @@ def import_records(records: Iterable[tuple[Path, dict[str, Any], dict[str, Any]]
         if summary.get("run_id") in known:
             skipped += 1
             continue
+        try:  # read whole before the MLflow run exists: a damaged log leaves no half-imported run
+            rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+        except DamagedRecord as e:
+            warn_damaged(run_dir, e.problem)
+            continue
         start, end = _millis(summary.get("started_at")), _millis(summary.get("finished_at"))
         experiment = (config.get("table") or {}).get("id") or default_experiment
         tags = mlflow_tags(config, run_dir, summary["run_id"])
         run_id = store.start(experiment, display_name(config), tags, start)
         store.log_params(run_id, flatten(config))
         stamp = start or int(time.time() * 1000)
-        rows = _rows(run_dir)
         first = (config.get("table") or {}).get("metric")  # a table's metric: the one its comparison shows
         headline = {k: v for k, v in summary_metrics(summary).items() if k == first}
         if headline:  # logged first, MLflow's compare page plots it by default
-            step = max((r.get("step") or 0 for r in rows), default=0)
-            store.log_metrics(run_id, [(headline, step, end or stamp)])
+            store.log_metrics(run_id, [(headline, last_step(rows), end or stamp)])
         store.log_metrics(run_id, [(numeric_metrics(row), int(row.get("step") or 0), stamp)
                                    for row in rows if numeric_metrics(row)])
-        store.finish(run_id, run_dir, summary, artifacts, end_time=end)
+        store.finish(run_id, run_dir, summary, artifacts, end_time=end, rows=rows)
         known.add(summary["run_id"])
         imported += 1
     return imported, skipped

@@ -21,7 +21,8 @@ from normexp.tracking.provenance import config_hash
 from normexp.tracking.records import read_metrics, read_summary
 
 
-def fake_run(run_dir: Path, *overrides: str, status: str = "completed", checkpoint: bool = True) -> Path:
+def fake_run(run_dir: Path, *overrides: str, status: str = "completed", checkpoint: bool = True,
+             epoch: int = 1) -> Path:
     """A run record as training leaves it, with the untrained model's weights (what the analysis reads
     does not depend on training): config.yaml, summary.json, checkpoint.pth."""
     config = OmegaConf.to_container(quick_cfg(*overrides), resolve=True)
@@ -34,7 +35,7 @@ def fake_run(run_dir: Path, *overrides: str, status: str = "completed", checkpoi
     if checkpoint:
         torch.manual_seed(0)
         model = build_backbone(config["backbone"], config["norm"])
-        torch.save({"model": model.state_dict(), "epoch": 1, "ema": None}, run_dir / "checkpoint.pth")
+        torch.save({"model": model.state_dict(), "epoch": epoch, "ema": None}, run_dir / "checkpoint.pth")
     return run_dir
 
 
@@ -92,6 +93,14 @@ def test_analyze_a_trained_dyt_run_from_the_command_line(dyt_run):
     first = (out / "attention.csv").read_text()
     cli.analyze(dyt_run, ["attention"], images=4, seed=0)
     assert (out / "attention.csv").read_text() == first
+
+
+def test_a_dyt_run_in_its_first_epoch_says_its_alpha_log_is_still_empty(tmp_path):
+    """Its checkpoint is from the middle of epoch 1: no epoch row has logged alpha yet -- not an old run."""
+    run_dir = fake_run(tmp_path / "run", "norm=dyt", status="running", epoch=0)
+    _, summary = cli.analyze(run_dir, ["alpha"], images=2, seed=0)
+    assert summary["notes"]["alpha"] == ["no epoch of this run has ended yet (alpha is logged at the end of "
+                                         "each epoch): the over-training panel fills in as epochs end"]
 
 
 def one_line_error(result) -> str:

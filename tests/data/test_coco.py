@@ -6,8 +6,9 @@ import json
 
 import pytest
 import torch
+from conftest import coco_jpeg_tree
 
-from normexp.data.coco import CocoDetection, build_detection_data, check_coco_root
+from normexp.data.coco import CocoDetection, build_detection_data, check_coco_root, collate
 from normexp.data.coco_digits import generate_coco_digits
 from normexp.errors import UserError
 
@@ -69,6 +70,11 @@ def broken_copy(root, tmp_path, edit):
 
 @pytest.mark.parametrize("edit,message", [
     (lambda d: d["annotations"][2].update(bbox=[1, 2, -3, 4]), r"annotation 2 \(id 3\): field 'bbox'"),
+    (lambda d: d["annotations"][4].update(bbox=[1, 2, float("nan"), 4]),
+     r"annotation 4 \(id 5\): field 'bbox' must be \[x, y, width, height\] of finite numbers"),
+    (lambda d: d["annotations"][4].update(bbox=[float("-inf"), 2, 3, 4]),
+     r"annotation 4 \(id 5\): field 'bbox'"),
+    (lambda d: d["annotations"][4].update(area=float("inf")), r"annotation 4 \(id 5\): field 'area'"),
     (lambda d: d["annotations"][1].update(category_id=99), r"annotation 1 \(id 2\): field 'category_id'"),
     (lambda d: d["annotations"][0].update(image_id=12345), r"annotation 0 \(id 1\): field 'image_id'"),
     (lambda d: d["annotations"][3].pop("area"), r"annotation 3 \(id 4\): field 'area'"),
@@ -148,3 +154,31 @@ def test_training_sets_are_filtered_as_mmdet_filters_them(root, tmp_path):
     assert CocoDetection(path, "val2017", masks=False).image_ids == ids
     assert len(train[0][1]["boxes"]) == 0  # crowd regions are no targets
     assert len(train[1][1]["boxes"]) == len(train.coco.imgToAnns[ids[3]]) - 1  # nor a zero-area one
+
+
+def test_missing_and_unreadable_images_are_skipped_and_counted_or_named(root, tmp_path, caplog):
+    tree = coco_jpeg_tree(root, tmp_path / "coco")
+    missing = sorted((tree / "train2017").iterdir())[0]
+    missing.unlink()
+    truncated = sorted((tree / "val2017").iterdir())[1]
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    train = CocoDetection(tree, "train2017", masks=False, replace=True)
+    assert train.bad_files() == [str(missing)]  # found by the check at construction, before any epoch
+    assert "1 of the 8 images of" in caplog.text
+    image, target = train[0]  # the next readable image takes its place
+    assert int(target["image_id"]) == train.image_ids[1] and image.shape == (3, 64, 64)
+    val = CocoDetection(tree, "val2017", masks=True)
+    assert val[1] is None and val.bad_files() == [str(truncated)]  # left out of its batch, counted
+    assert collate([val[0], val[1]])[0][0].shape == (3, 64, 64) and len(collate([val[1]])[0]) == 0
+
+    with pytest.raises(UserError, match=f"1 of the 8 images of '{tree / 'train2017'}' are missing "
+                                        f"\\(the first: '{missing}'\\): restore them, or skip"):
+        CocoDetection(tree, "train2017", masks=False, on_bad_image="fail")
+    with pytest.raises(UserError, match=f"cannot read image '{truncated}' \\(OSError: "):
+        CocoDetection(tree, "val2017", masks=False, on_bad_image="fail")[1]
+
+
+def test_a_set_with_no_image_left_says_why(root):
+    with pytest.raises(UserError, match=r"instances_val2017.json' leaves no image to read: of its 4 "
+                                        r"images, 4 smaller than data.min_image_size=100 px: check the file"):
+        CocoDetection(root, "val2017", masks=False, min_image_size=100)

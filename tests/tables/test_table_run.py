@@ -60,12 +60,14 @@ def in_process(capfd: pytest.CaptureFixture, main: Callable[[list[str]], None],
 
 
 def test_table_runs_skips_and_recomputes(tmp_path, capfd, monkeypatch):
+    """The output root is no plain ASCII word: its path reaches every job as one quoted override."""
     spec, scale, out = tmp_path / "tiny.yaml", tmp_path / "cpu1.yaml", tmp_path / "results"
     spec.write_text(SPEC)
     scale.write_text(SCALE)
     args = ("run", str(spec), "--scale", str(scale), "--out", str(out))
+    root = tmp_path / "ünïcödé"
 
-    first = run_cli("table", *args, env={"NORMEXP_OUTPUT_DIR": str(tmp_path / "out")})
+    first = run_cli("table", *args, env={"NORMEXP_OUTPUT_DIR": str(root)})
     assert first.returncode == 1, first.stderr[-2000:]  # a run failed: the table is written all the same
     assert "hydra/sweeper=table" in first.stdout and "Launching 3 jobs" in first.stdout + first.stderr
     cells = md_cells((out / "tiny.md").read_text())
@@ -78,7 +80,7 @@ def test_table_runs_skips_and_recomputes(tmp_path, capfd, monkeypatch):
         assert (out / f"tiny{suffix}").stat().st_size > 0
 
     # without the failing block every run is done: nothing is launched
-    monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(root))
     monkeypatch.setenv("WANDB_SILENT", "true")
     spec.write_text(SPEC.replace("  - norm=ln data.batch_size=5000", "  # removed"))
     code, again = in_process(capfd, cli.main, *args)
@@ -86,7 +88,7 @@ def test_table_runs_skips_and_recomputes(tmp_path, capfd, monkeypatch):
     assert "2 done (skipped), 0 to run" in again and "hydra/sweeper=table" not in again
 
     # a deleted record is recomputed, and only that one
-    runs = tmp_path / "out" / "tables" / "cpu1" / "tiny"
+    runs = root / "tables" / "cpu1" / "tiny"
     (tanh,) = [d for d in runs.iterdir() if (d / "config.yaml").is_file() and "squash: tanh" in
                (d / "config.yaml").read_text()]
     (identity,) = [d for d in runs.iterdir() if d.is_dir() and d != tanh and (d / "summary.json").is_file()

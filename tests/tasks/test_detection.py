@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import compose_cfg, run_cli
+from conftest import coco_jpeg_tree, compose_cfg, run_cli
 from omegaconf import OmegaConf
 
 from normexp import CONFIG_DIR
-from normexp.data.coco import build_detection_data
+from normexp.data.coco import build_detection_data, detection_root
 from normexp.engine.checkpoint import save_checkpoint
 from normexp.errors import UserError
 from normexp.models import build_backbone
@@ -147,6 +147,23 @@ def test_demo_command_line_records_coco_metrics(tmp_path):
     assert "val/bbox_AP" in rows[-1]
     assert list(run.glob("wandb/offline-run-*"))
     assert "val/bbox_AP=" in out.stdout
+
+
+def test_a_coco_tree_with_a_missing_and_an_unreadable_image_trains_and_counts_them(tmp_path):
+    """``data=coco`` on a tiny COCO 2017 tree of JPEGs: a train image gone, a val image cut short."""
+    cfg = detection_cfg()
+    tree = coco_jpeg_tree(detection_root(cfg.data), tmp_path / "coco")
+    missing, truncated = sorted((tree / "train2017").iterdir())[2], sorted((tree / "val2017").iterdir())[0]
+    missing.unlink()
+    truncated.write_bytes(truncated.read_bytes()[:300])
+    cfg = compose_cfg("task=detection", "data=coco", f"data.root={tree}", "data.num_classes=10",
+                      "data.img_size=64", "data.min_size=64", "data.max_size=64", "data.batch_size=2",
+                      "data.eval_batch_size=2", "data.num_workers=0", "trainer.epochs=1",
+                      "trainer.warmup_iters=2", "logger=none", "trainer.progress=false")
+    summary = run(cfg, tmp_path / "run")
+    assert summary["status"] == "completed", summary.get("error")
+    assert summary["bad_images"] == 2 and summary["bad_image_files"] == sorted([str(missing), str(truncated)])
+    assert 0 <= summary["metrics"]["final"]["val/bbox_AP"] <= 1
 
 
 @pytest.mark.parametrize("overrides,message", [
