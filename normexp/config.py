@@ -147,6 +147,7 @@ class TrainerSchema:
     lr_scale_warmup_min: bool
     weight_decay: float = _check(**rng(0))
     decay_norm_and_bias: bool
+    layer_decay: float | None = _check(above=0, max=1)
     opt_eps: float = _check(above=0)
     betas: list[float] = _check(length=2, items=rng(0, below=1))
     sched: str = _check(choices=["cosine", "multistep", "step", "plateau", "poly", "tanh"])
@@ -467,7 +468,9 @@ def _input_size(values: dict[str, Any]) -> Iterator[str]:
         yield (f"backbone.img_size={img} is not a multiple of backbone.patch_size={patch}: use an image size "
                f"of {img // patch * patch or patch} or {(img // patch + 1) * patch} (data.img_size; the "
                "backbone's follows it)")
-    dense = values["task"]["name"] == "detection"  # any input size: detectors resize, dense models adapt
+    from .tasks import get_task
+
+    dense = get_task(values["task"]["name"]).dense  # any input size: detectors resize, dense models adapt
     fixed = not dense and not backbone.get("dynamic_img_size")
     if fixed and isinstance(img, int) and img != data.get("img_size"):
         yield (f"backbone.img_size={img} but the images are data.img_size={data.get('img_size')} px: set "

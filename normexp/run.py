@@ -261,7 +261,7 @@ def run(cfg: DictConfig, run_dir: str | Path, find_unfinished_run: bool = False,
     validate(cfg)
     task = get_task(cfg.task.name)
     prepared = task.prepare(cfg)
-    check_buildable(prepared.backbone, prepared.norm, dense=prepared.task.name == "detection")
+    check_buildable(prepared.backbone, prepared.norm, dense=task.dense)
     world = distributed.init_distributed(prepared.trainer.device)
     config = resolve(prepared)
     start = lock = refusal = None

@@ -1,11 +1,12 @@
 """Load a trained run and analyse it: the numbers behind ``normexp analyze`` and ``make figure-*``.
 
-:func:`load_run` rebuilds the model from the run's record -- its resolved ``config.yaml`` and
-``checkpoint.pth``, the EMA weights when its recipe reports them (``trainer.ema.reported``, as the tables do)
--- through the same code the robustness task evaluates checkpoints with, and refuses what is not a trained
-model (no checkpoint, a diverged or failed run, a detection run) with one line. :func:`sample_images` draws a
-fixed, seeded set of validation images. :func:`analyse` runs them through the model once (in batches), with
-the hooks of every requested analysis on at the same time, and returns a :class:`RunAnalysis`.
+:func:`load_run` rebuilds the backbone from the run's record -- its resolved ``config.yaml`` and the
+backbone weights its task finds in ``checkpoint.pth`` (``Task.backbone_weights``: a classifier's EMA weights
+when its recipe reports them, ``trainer.ema.reported``, as the tables do) -- and refuses what is not a trained
+model (no checkpoint, a diverged or failed run, a task whose checkpoint holds no backbone) with one line.
+:func:`sample_images` draws a fixed, seeded set of validation images. :func:`analyse` runs them through the
+model once (in batches), with the hooks of every requested analysis on at the same time, and returns a
+:class:`RunAnalysis`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from ..engine.alpha_probe import ALPHA_KEY, STD_KEY
+from ..engine.checkpoint import load_checkpoint, load_model_state
 from ..errors import UserError
+from ..models import build_backbone
 from ..tracking.records import logged_rows, read_config, read_summary
 from .attention import AttentionRecorder, AttentionResult
 from .io import IOSampler, SlotSample, io_numbers, scalar_alpha
@@ -59,7 +62,7 @@ class LoadedRun:
 
 def load_run(run_dir: str | Path, ema: bool | None = None) -> LoadedRun:
     """The trained model of ``run_dir`` (see the module docstring); bad input raises one-line UserErrors."""
-    from ..tasks.robustness import load_trained_model
+    from ..tasks import get_task
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -73,15 +76,18 @@ def load_run(run_dir: str | Path, ema: bool | None = None) -> LoadedRun:
     if status == "failed":
         raise UserError(f"run '{run_dir}' failed ({summary.get('error', 'no error recorded')}): nothing to "
                         "analyse")
-    task = (config.get("task") or {}).get("name", "classification")
-    if task != "classification":
-        raise UserError(f"run '{run_dir}' is a {task} run: analyse the classification run it starts from")
+    task = get_task(config["task"]["name"])
+    if task.backbone_weights is None:
+        raise UserError(f"run '{run_dir}' is a {task.name} run: its checkpoint holds no backbone to analyse "
+                        "(analyse the run it starts from)")
     if not (run_dir / "checkpoint.pth").is_file():
         raise UserError(f"run '{run_dir}' has no checkpoint.pth (trained with trainer.checkpoint=false, or "
                         "still in its first epoch): nothing to analyse")
-    reported_ema = bool(((config.get("trainer") or {}).get("ema") or {}).get("reported"))
-    use_ema = reported_ema if ema is None else ema
-    model, state = load_trained_model(run_dir, config["backbone"], config["norm"], ema=use_ema)
+    state = load_checkpoint(run_dir)
+    weights, which = task.backbone_weights(state, ema)
+    model = build_backbone(config["backbone"], config["norm"])
+    load_model_state(model, weights, str(run_dir))
+    use_ema = which == "ema"
     return LoadedRun(run_dir, config, summary, model.eval(), use_ema, state.get("epoch"))
 
 

@@ -9,7 +9,7 @@ from .coco import check_coco_root
 from .digits import NUM_CLASSES as DIGITS_CLASSES
 from .digits import build_digits
 from .imagenet import build_imagenet, check_imagefolder_root
-from .loaders import ClassificationData
+from .loaders import ClassificationData, ImageSpec, TrainTransform
 
 CLASSIFICATION_DATA: dict[str, Callable[..., ClassificationData]] = {
     "digits": build_digits,
@@ -17,13 +17,17 @@ CLASSIFICATION_DATA: dict[str, Callable[..., ClassificationData]] = {
 }
 
 
-def build_classification_data(cfg, seed: int) -> ClassificationData:
+def build_classification_data(cfg, seed: int, train_transform: TrainTransform | None = None,
+                              eval_train: bool = False) -> ClassificationData:
+    """A labelled image data set's loaders: its own training transform (DeiT's for ImageNet, none for the
+    digits) or a task's (``train_transform``: pre-training views, see :class:`ImageSpec`); ``eval_train``:
+    also the training images through the evaluation transform."""
     try:
         builder = CLASSIFICATION_DATA[cfg.name]
     except KeyError:
         raise UserError(f"data '{cfg.name}' has no classification loader; "
                         f"available: {', '.join(CLASSIFICATION_DATA)}") from None
-    return builder(cfg, seed)
+    return builder(cfg, seed, train_transform=train_transform, eval_train=eval_train)
 
 
 def _check_fixed_classes(cfg, found: int, what: str) -> None:
@@ -62,4 +66,4 @@ def check_data(cfg) -> None:
         check(cfg)
 
 
-__all__ = ["ClassificationData", "build_classification_data", "check_data"]
+__all__ = ["ClassificationData", "ImageSpec", "TrainTransform", "build_classification_data", "check_data"]

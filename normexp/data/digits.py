@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from .loaders import ClassificationData, make_loader
+from .loaders import ClassificationData, ImageSpec, TrainTransform, TransformedImages, make_loader
 
 NUM_CLASSES = 10
 
@@ -42,7 +42,10 @@ def standardisation(arrays: dict[str, np.ndarray]) -> tuple[float, float]:
     return float(arrays["train_images"].mean()), float(arrays["train_images"].std())
 
 
-def build_digits(cfg, seed: int) -> ClassificationData:
+def build_digits(cfg, seed: int, train_transform: TrainTransform | None = None,
+                 eval_train: bool = False) -> ClassificationData:
+    """The digits' loaders; ``train_transform``: a task's own (it gets the images in [0, 1], 3 channels),
+    else the images standardised and nothing else."""
     arrays = digits_arrays(cfg.img_size, cfg.val_fraction, cfg.split_seed)
     mean, std = standardisation(arrays)
 
@@ -50,10 +53,17 @@ def build_digits(cfg, seed: int) -> ClassificationData:
         x = torch.from_numpy((arrays[f"{split}_images"] - mean) / std)[:, None].expand(-1, 3, -1, -1)
         return TensorDataset(x.contiguous(), torch.from_numpy(arrays[f"{split}_labels"]).long())
 
+    train = dataset("train")
+    if train_transform is not None:
+        images = torch.from_numpy(arrays["train_images"])[:, None].expand(-1, 3, -1, -1).contiguous()
+        spec = ImageSpec(cfg.img_size, (mean,) * 3, (std,) * 3)
+        train = TransformedImages(images, train.tensors[1], train_transform(spec))
     return ClassificationData(
-        train=make_loader(dataset("train"), cfg.batch_size, True, cfg.num_workers, seed),
+        train=make_loader(train, cfg.batch_size, True, cfg.num_workers, seed),
         val=make_loader(dataset("val"), cfg.eval_batch_size, False, cfg.num_workers, seed),
         num_classes=NUM_CLASSES,
         img_size=cfg.img_size,
         in_chans=3,
+        train_eval=make_loader(dataset("train"), cfg.eval_batch_size, False, cfg.num_workers, seed)
+        if eval_train else None,
     )

@@ -9,13 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import default_collate
+from torch.utils.data import DataLoader, default_collate
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import UserError
 from .images import BadImages, class_folders, folder_key, image_files, load_rgb
-from .loaders import ClassificationData, make_loader
+from .loaders import ClassificationData, ImageSpec, TrainTransform, make_loader
 from .transforms import build_transforms
 
 LAYOUT = "<root>/train/<wnid>/*.JPEG and <root>/val/<wnid>/*.JPEG"
@@ -88,20 +88,30 @@ def collate_readable(batch: list[Any]) -> Any:
     return default_collate(readable) if readable else None
 
 
-def build_imagenet(cfg, seed: int) -> ClassificationData:
+def build_imagenet(cfg, seed: int, train_transform: TrainTransform | None = None,
+                   eval_train: bool = False) -> ClassificationData:
+    """ImageNet's loaders; ``train_transform``: a task's own (it gets PIL images), else DeiT's."""
     check_imagefolder_root(cfg.root, (cfg.train_split, cfg.val_split), cfg.num_classes)
     root = Path(cfg.root)
     on_bad = cfg.get("on_bad_image", "skip")
-    train = SafeImageFolder(root / cfg.train_split, build_transforms(cfg, is_training=True), on_bad,
-                            replace=True)
-    val = SafeImageFolder(root / cfg.val_split, build_transforms(cfg, is_training=False), on_bad)
+    training = train_transform(ImageSpec(cfg.img_size, tuple(cfg.mean), tuple(cfg.std))) \
+        if train_transform is not None else build_transforms(cfg, is_training=True)
+    evaluation = build_transforms(cfg, is_training=False)
+    train = SafeImageFolder(root / cfg.train_split, training, on_bad, replace=True)
+    val = SafeImageFolder(root / cfg.val_split, evaluation, on_bad)
     pin = cfg.get("pin_memory", True)
+
+    def evaluation_loader(dataset: SafeImageFolder) -> DataLoader:
+        return make_loader(dataset, cfg.eval_batch_size, False, cfg.num_workers, seed, pin_memory=pin,
+                           collate_fn=collate_readable)
+
     return ClassificationData(
         train=make_loader(train, cfg.batch_size, True, cfg.num_workers, seed, pin_memory=pin,
                           repeats=max(cfg.get("aug_repeats") or 1, 1)),
-        val=make_loader(val, cfg.eval_batch_size, False, cfg.num_workers, seed, pin_memory=pin,
-                        collate_fn=collate_readable),
+        val=evaluation_loader(val),
         num_classes=cfg.num_classes,
         img_size=cfg.img_size,
         in_chans=3,
+        train_eval=evaluation_loader(SafeImageFolder(root / cfg.train_split, evaluation, on_bad))
+        if eval_train else None,
     )

@@ -8,6 +8,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,11 +20,42 @@ from .samplers import ShardedSampler
 
 @dataclass
 class ClassificationData:
+    """A labelled image data set's loaders. ``train_eval``: the training images through the evaluation
+    transform, each once (asked for with ``eval_train=True``: a k-NN monitor's memory bank)."""
+
     train: DataLoader
     val: DataLoader
     num_classes: int
     img_size: int
     in_chans: int
+    train_eval: DataLoader | None = None
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """What a task's own training transform needs to know of a data set: its image size and the mean and
+    std its inputs are standardised with. The transform receives each raw image -- a PIL image (ImageNet)
+    or a float tensor (3, H, W) in [0, 1] (the digits) -- and returns what the model takes."""
+
+    img_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+TrainTransform = Callable[[ImageSpec], Callable[[Any], Any]]
+
+
+class TransformedImages(Dataset):
+    """(image, label) pairs of in-memory images, each image through ``transform`` when it is read."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Callable[[Any], Any]) -> None:
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[Any, torch.Tensor]:
+        return self.transform(self.images[index]), self.labels[index]
 
 
 def default_cache_dir(kind: str) -> Path:

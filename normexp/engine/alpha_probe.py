@@ -15,6 +15,7 @@ epoch; the ratio only falls for larger data sets. So it is always on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,8 +56,11 @@ def probe_batch(dataset: Any, count: int = PROBE_IMAGES) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def alpha_probe(model: nn.Module, loader: Any) -> dict[str, float]:
-    """alpha and the std of the input of every scalar-alpha layer on the probe batch (see the module doc)."""
+def alpha_probe(model: nn.Module, loader: Any, forward: Callable[[torch.Tensor], Any] | None = None
+                ) -> dict[str, float]:
+    """alpha and the std of the input of every scalar-alpha layer on the probe batch (see the module doc).
+    ``forward``: how the batch goes through the model, when not ``model(batch)`` (it must draw no random
+    number: a masked autoencoder's masks from a generator of its own)."""
     layers = scalar_alpha_layers(model)
     if not layers:
         return {}
@@ -71,7 +75,7 @@ def alpha_probe(model: nn.Module, loader: Any) -> dict[str, float]:
     try:
         model.eval()
         device = next(model.parameters()).device
-        model(batch.to(device))
+        (forward or model)(batch.to(device))
     finally:
         for handle in handles:
             handle.remove()

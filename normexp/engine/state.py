@@ -1,8 +1,9 @@
 """The trainer's state in a checkpoint: what a killed run needs to go on as if it had not been killed.
 
 A checkpoint holds the model, EMA, optimizer, scheduler, scaler, the position in the epoch (epoch, batch,
-update), the metrics so far and, from every process by rank, its RNG states, its share of the epoch's loss and
-its divergence window -- so ``trainer.resume=auto`` continues mid-epoch exactly. The file format (atomic
+update), the metrics so far, the task's own state (``Trainer.task_state``) and, from every process by rank,
+its RNG states, its share of the epoch's loss and its divergence window -- so ``trainer.resume=auto``
+continues mid-epoch exactly. The file format (atomic
 writes, CRC-checked safe reads) is ``checkpoint.py``'s.
 """
 
@@ -57,6 +58,7 @@ def training_state(trainer: Trainer) -> dict[str, Any]:
         "ema": trainer.ema.module.state_dict() if trainer.ema is not None else None,
         "scaler": trainer.precision.scaler.state_dict() if trainer.precision.scaler is not None else None,
         "metrics": trainer.metrics,
+        "task": trainer.task_state(),
         "train_images": trainer.train_images, "train_seconds": trainer.train_seconds,
         "config": trainer.record.config,
         # what each process holds alone, by rank: RNG states, its share of the epoch's loss, the window
@@ -103,6 +105,7 @@ def resume_training(trainer: Trainer, source: str | None) -> None:
     if trainer.cfg.sched_on == "update":
         trainer.scheduler.step_update(trainer.update)
     trainer.metrics = state["metrics"]
+    trainer.load_task_state(state.get("task"))
     trainer.train_images, trainer.train_seconds = state["train_images"], state["train_seconds"]
     processes, world_size = state["processes"], trainer.dist.world_size
     if len(processes) == world_size:

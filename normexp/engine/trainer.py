@@ -51,7 +51,10 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     """The loop; a task's subclass says what a batch's loss is (:meth:`compute_loss`) and how the model is
-    scored (:meth:`evaluate`)."""
+    scored (:meth:`evaluate`), and may keep state of its own in the checkpoint (:meth:`task_state`).
+    ``minimized``: the metrics (last path component, e.g. ``loss``) whose best value is the lowest."""
+
+    minimized: tuple[str, ...] = ()
 
     def __init__(self, cfg: Any, model: nn.Module, data: Any, record: RunRecord) -> None:
         self.cfg, self.data, self.record = cfg, data, record
@@ -89,9 +92,11 @@ class Trainer:
 
         # the module: timm exempts 1-D params, biases and no_weight_decay() names; its parameters: all decay
         params = self.module.parameters() if cfg.decay_norm_and_bias else self.module
+        # layer_decay: each parameter's lr scaled by layer_decay^(depth - its layer), timm's
+        # param_groups_layer_decay (the layers of MAE's lr_decay.py; README: fine-tuning)
         self.optimizer = create_optimizer_v2(
             params, opt=cfg.opt, lr=self.scaled_lr(cfg.lr), weight_decay=cfg.weight_decay,
-            eps=cfg.opt_eps, betas=tuple(cfg.betas),
+            eps=cfg.opt_eps, betas=tuple(cfg.betas), layer_decay=cfg.layer_decay,
         )
         self.scheduler = self.build_scheduler()
         self.ema = ModelEmaV3(self.module, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) \
@@ -172,12 +177,12 @@ class Trainer:
             final = {k: v for k, v in row.items() if "/" in k and not k.startswith("train/")}
             final["epoch"] = epoch + 1
             best = self.metrics["best"]
-            if not best or final[self.cfg.best_metric] > best[self.cfg.best_metric]:
+            if not best or self.better(final[self.cfg.best_metric], best[self.cfg.best_metric]):
                 best = dict(final)
             self.metrics = {"final": final, "best": best, "reported": self.reported(final)}
             log.info("epoch %d/%d  %s", epoch + 1, self.cfg.epochs,
                      "  ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
-        row.update(alpha_probe(self.module, self.data.val))  # DyT's alpha, its input's std: per layer
+        row.update(self.probe())
         self.record.log(row)
         self.epoch, self.batch = epoch + 1, 0
         if self.cfg.checkpoint:
@@ -259,7 +264,24 @@ class Trainer:
         self.record.log({"step": self.update, "epoch": self.epoch + 1, "train/loss": mean, "lr": lr})
         self.loss_window.reset()
 
+    def better(self, value: float, best: float) -> bool:
+        """Whether ``value`` of ``trainer.best_metric`` beats the best so far."""
+        lowest = self.cfg.best_metric.rsplit("/", 1)[-1] in self.minimized
+        return value < best if lowest else value > best
+
     # ---------------------------------------------------------------- what a task defines
+    def probe(self) -> dict[str, float]:
+        """The epoch row's per-layer numbers: DyT's alpha and its input's std (``alpha_probe``)."""
+        return alpha_probe(self.module, self.data.val)
+
+    def task_state(self) -> dict[str, Any] | None:
+        """What the task keeps beyond the model, optimizer and schedule (a teacher, a centre), for the
+        checkpoint; restored by :meth:`load_task_state`."""
+        return None
+
+    def load_task_state(self, state: dict[str, Any] | None) -> None:
+        """Restore what :meth:`task_state` returned."""
+
     def compute_loss(self, images: Any, targets: Any) -> torch.Tensor:
         """The training loss of one batch, under ``self.precision.autocast()``."""
         raise NotImplementedError

@@ -1,7 +1,8 @@
 """Backbones, one file per family, behind one registry."""
 
 from . import convnext, levit, pvt, pvt_v2, swin, t2t, vit  # noqa: F401  (importing registers the models)
-from .build import build_backbone, check_buildable
+from .build import backbone_arguments, build_backbone, build_model, check_buildable
 from .registry import create_model, list_models, register_model
 
-__all__ = ["build_backbone", "check_buildable", "create_model", "list_models", "register_model"]
+__all__ = ["backbone_arguments", "build_backbone", "build_model", "check_buildable", "create_model",
+           "list_models", "register_model"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,13 +26,9 @@ def norm_settings(norm_cfg: DictConfig | dict) -> tuple[str, dict[str, Any], dic
     return name, cfg, placement
 
 
-def build_backbone(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,
-                   dense: bool = False) -> nn.Module:
-    """Create ``backbone_cfg.name`` with its config values, then swap its norm slots for ``norm_cfg``.
-
-    ``dense``: for dense tasks (detection), also apply the config's ``dense`` values (any input size, a
-    feature pyramid for plain models); the pretrained classification weights load unchanged.
-    """
+def backbone_arguments(backbone_cfg: DictConfig | dict, dense: bool = False) -> tuple[str, dict[str, Any]]:
+    """(registered name, constructor arguments) of a backbone config; ``dense``: for dense tasks (detection),
+    with the config's ``dense`` values too (any input size, a feature pyramid for plain models)."""
     kwargs = as_dict(backbone_cfg)
     name = kwargs.pop("name")
     # suggestions read by the norm and trainer configs through interpolation, not by the model
@@ -40,17 +37,33 @@ def build_backbone(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,
     dense_kwargs = kwargs.pop("dense", None) or {}
     if dense:
         kwargs.update(dense_kwargs)
+    return name, kwargs
+
+
+def build_model(constructor: Callable[[], nn.Module], norm_cfg: DictConfig | dict, what: str) -> nn.Module:
+    """``constructor()`` -- a model as its papers define it, with their norm layers -- with the configured
+    normalizer in its norm slots (``norm.placement``: which), one placement walk over the whole model (a
+    backbone, or a task's model around one: an autoencoder's decoder, a self-distillation head). A model
+    the normalizer cannot fill is one line naming ``what``."""
     norm_name, hparams, placement = norm_settings(norm_cfg)
     unknown = sorted(set(placement) - {"keep", "first_blocks"})
     if unknown:
         raise UserError(f"norm.placement has no option {unknown}; its options are ['first_blocks', 'keep']")
     try:  # the constructors check their arguments: each normalizer its options against every slot it fills
-        model = create_model(name, **kwargs)
+        model = constructor()
         replace_norms(model, norm_layer_factory(norm_name, **hparams), keep=placement.get("keep") or (),
                       first_blocks=placement.get("first_blocks"))
     except (ValueError, TypeError, AssertionError) as e:
-        raise UserError(f"cannot build backbone '{name}' with norm '{norm_name}': {e}") from e
+        raise UserError(f"cannot build {what} with norm '{norm_name}': {e}") from e
     return model
+
+
+def build_backbone(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,
+                   dense: bool = False) -> nn.Module:
+    """Create ``backbone_cfg.name`` with its config values, then swap its norm slots for ``norm_cfg``
+    (``dense``: see :func:`backbone_arguments`)."""
+    name, kwargs = backbone_arguments(backbone_cfg, dense)
+    return build_model(lambda: create_model(name, **kwargs), norm_cfg, f"backbone '{name}'")
 
 
 def check_buildable(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,

@@ -18,7 +18,9 @@ average-pooled grid, nearest-upsampled back (the official ``dtn_pool``); prefix 
 tokens get LN statistics only; the grid comes from the input's shape (maps) or from ``layout`` (tokens),
 never guessed from T. The logits are a row term plus a column term, so P^h is the Kronecker product of two
 small softmaxes (:meth:`DTN.position_factors`): ``separable=True`` applies them, ``False`` the dense matrix,
-as the official code does -- the same numbers. How it is computed: ``normexp.norms.kernels.dtn``.
+as the official code does -- the same numbers. When only some grid tokens are present (``layout.positions``:
+a masked autoencoder's visible tokens), P^h is taken over those tokens, from their grid offsets, per sample
+(dense, unpooled). How it is computed: ``normexp.norms.kernels.dtn``.
 
 ``pos_init="random"`` (default) starts ``pos_proj`` as the released models train it: the module applies a
 ConViT-style local init, but ``models/vit_norm_mix.py`` and ``models/pvt_norm.py`` then re-initialise every
@@ -38,7 +40,7 @@ from torch import nn
 
 from .functional import check_data_format, output_dtype
 from .kernels import KERNEL_MODES, check_kernels
-from .kernels.dtn import normalize
+from .kernels.dtn import normalize, normalize_subset
 from .layout import TokenLayout
 from .registry import register_norm
 
@@ -195,6 +197,14 @@ class DTN(nn.Module):
                              f"{expected} prefix tokens (expected {h * w} or {h * w + expected})")
         return (h, w), prefix
 
+    def _prefix_of_subset(self, num_tokens: int) -> int:
+        present = self.layout.positions.shape[1]
+        expected = self.layout.num_prefix_tokens if self.num_prefix_tokens is None else self.num_prefix_tokens
+        if num_tokens - present not in (0, expected):
+            raise ValueError(f"DTN: {num_tokens} tokens do not match the {present} grid tokens present with "
+                             f"{expected} prefix tokens")
+        return num_tokens - present
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = output_dtype(x)
         if x.dtype in (torch.float16, torch.bfloat16):
@@ -210,6 +220,8 @@ class DTN(nn.Module):
             elif x.dim() == 4:
                 b, h, w, c = x.shape
                 y = normalize(self, x.reshape(b, h * w, c), (h, w), 0).view(b, h, w, c)
+            elif x.dim() == 3 and self.layout is not None and self.layout.positions is not None:
+                y = normalize_subset(self, x, self.layout.positions, self._prefix_of_subset(x.shape[1]))
             elif x.dim() == 3:
                 grid, prefix = self._grid_of_tokens(x.shape[1])
                 y = normalize(self, x, grid, prefix)

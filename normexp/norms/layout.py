@@ -23,14 +23,19 @@ class TokenLayout:
 
     ``grid``: (H, W) of the patch grid in raster order (token index = row * W + col), or None while unknown.
     ``num_prefix_tokens``: class / distillation tokens that precede the grid tokens in (B, N, C) input.
+    ``positions``: when only some grid tokens are present (a masked autoencoder's encoder sees the visible
+    ones), their grid indices (B, M), in the order they come; None: all H*W, in raster order.
     """
 
     grid: tuple[int, int] | None = None
     num_prefix_tokens: int = 0
+    positions: torch.Tensor | None = None
 
     def set_grid(self, height: int, width: int) -> None:
-        """Called by the patch embedding on every forward with the grid it just produced."""
+        """Called by the patch embedding on every forward with the grid it just produced (every grid token
+        present until a model that drops some says which remain)."""
         self.grid = (int(height), int(width))
+        self.positions = None
 
     @property
     def num_grid_tokens(self) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 from omegaconf import read_write
 
 from ..errors import UserError, one_line
+from ..tasks import get_task
 from ..tracking.records import DONE, load_record
 from .plan import PlannedRun, TablePlan, plan_table, table_dir
 from .spec import get_path, load_scale, load_table
@@ -41,11 +42,9 @@ def key_settings(config: dict[str, Any]) -> dict[str, Any]:
         "clip": t.get("clip_grad"),
         "amp": t.get("amp"),
     }
-    if settings["task"] == "detection":
-        settings["detector"] = get_path(config, "task.detector")
-        settings["pretrained"] = get_path(config, "task.pretrained")
-    if get_path(config, "task.robustness.enabled"):
-        settings["robustness"] = d.get("imagenet_c_root") or "on the fly"
+    task = get_task(settings["task"])
+    if task.settings is not None:
+        settings.update(task.settings(config))
     return {k: v for k, v in settings.items() if v is not None}
 
 

@@ -1,14 +1,21 @@
 """Tasks: what ``python -m normexp task=<name>`` does, behind one interface.
 
-A task names the data it reads and the metrics its evaluation reports (the config schema checks
-``data`` and ``trainer.best_metric`` against them), checks its own settings before any work (``check``),
-prepares the config it actually runs (``prepare``: e.g. the checkpoint's model in place of the configured
-one -- applied before the run record is written, so the record and the run directory name the model that
-runs) and runs it into a record (``run``: returns its metrics).
+A task is registered by its own module (:func:`register_task`) as a :class:`Task`: its name, the data it
+reads, the metrics its evaluation reports (the config schema checks ``data`` and ``trainer.best_metric``
+against them), its own checks before any work, the config it actually runs (``prepare``: e.g. the
+checkpoint's model in place of the configured one -- applied before the run record is written, so the
+record and the run directory name the model that runs), and what a run starting from one of its runs reads
+from its checkpoint (``backbone_weights``). Nothing outside a task's module compares task names: the schema,
+the start, the planner and ``normexp analyze`` ask the registry.
+
+Every module of this package is imported on the first look-up, so a new task is one module (plus its model
+code) and its yamls; a plugin module registers its tasks the same way (``plugins=[mytasks]``).
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,58 +23,81 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ..errors import UserError
-from ..metrics.coco import STATS
 from ..tracking.records import RunRecord
-from .classification import check_classification, run_classification
-from .detection import check_detection, run_detection, with_pretrained_backbone
-from .robustness import check_robustness, run_robustness, with_checkpoint_model
 
 
 def _as_configured(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def _evaluated(values: dict[str, Any], names: list[str]) -> list[str]:
-    """``val/<name>``, and ``ema/val/<name>`` when the EMA model is evaluated too."""
-    prefixes = ["val", *(["ema/val"] if values["trainer"]["ema"]["enabled"] else [])]
-    return [f"{prefix}/{name}" for prefix in prefixes for name in names]
-
-
-def classification_metrics(values: dict[str, Any]) -> list[str]:
-    return _evaluated(values, ["top1", "top5", "loss"])
-
-
-def detection_metrics(values: dict[str, Any]) -> list[str]:
-    kinds = ["bbox", *(["segm"] if values["task"].get("detector") == "mask_rcnn" else [])]
-    return _evaluated(values, [f"{kind}_{stat}" for kind in kinds for stat in STATS])
-
-
 @dataclass(frozen=True)
 class Task:
+    """One task (see the module docstring).
+
+    ``data``: the data configs it reads (empty: any). ``metrics(values)``: the metric names its evaluation
+    reports for a resolved config (None: it does not train, and has no ``trainer.best_metric``).
+    ``dense``: its models take inputs of any size (the backbone's ``dense`` settings apply). ``starts_from``:
+    the config key that names the run it starts from, if any. ``backbone_weights(state, ema)``: the
+    backbone's weights in a checkpoint of one of its runs (None: its checkpoints hold no backbone a run can
+    start from or ``normexp analyze`` can rebuild). ``settings(values)``: its own settings a table's dry run
+    prints.
+    """
+
+    name: str
     run: Callable[[DictConfig, RunRecord], dict[str, Any]]
-    data: tuple[str, ...]  # the data configs it reads
-    metrics: Callable[[dict[str, Any]], list[str]] | None = None  # what its evaluation reports; None: no
-    #                                                               training, no trainer.best_metric
-    check: Callable[[DictConfig], None] | None = None  # its own settings, before any work
+    data: tuple[str, ...] = ()
+    metrics: Callable[[dict[str, Any]], list[str]] | None = None
+    check: Callable[[DictConfig], None] | None = None
     prepare: Callable[[DictConfig], DictConfig] = _as_configured
+    dense: bool = False
+    starts_from: str | None = None
+    backbone_weights: Callable[[dict[str, Any], bool | None], tuple[dict[str, Any], str]] | None = None
+    settings: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
-TASKS: dict[str, Task] = {
-    "classification": Task(run_classification, ("digits", "imagenet"), classification_metrics,
-                           check_classification),
-    "robustness": Task(run_robustness, ("digits", "imagenet"), check=check_robustness,
-                       prepare=with_checkpoint_model),
-    "detection": Task(run_detection, ("coco", "coco_digits"), detection_metrics, check_detection,
-                      prepare=with_pretrained_backbone),
-}
+TASKS: dict[str, Task] = {}
+
+
+def register_task(task: Task) -> Task:
+    """Make ``task`` known by its name (a second, different task of the same name is refused)."""
+    known = TASKS.get(task.name)
+    if known is not None and known.run is not task.run:
+        raise ValueError(f"task '{task.name}' is registered twice ({known.run.__module__} and "
+                         f"{task.run.__module__})")
+    TASKS[task.name] = task
+    return task
+
+
+def _import_task_modules() -> None:
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
 
 
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise UserError(f"unknown task '{name}'; available: {', '.join(TASKS)}")
+        _import_task_modules()
+    if name not in TASKS:
+        raise UserError(f"unknown task '{name}'; available: {', '.join(sorted(TASKS))}")
     return TASKS[name]
 
 
 def prepare_config(cfg: DictConfig) -> DictConfig:
     """The config a task actually runs (e.g. a checkpoint's model in place of the configured one)."""
     return get_task(cfg.task.name).prepare(cfg)
+
+
+def evaluated(values: dict[str, Any], names: list[str]) -> list[str]:
+    """``val/<name>``, and ``ema/val/<name>`` when the EMA model is evaluated too."""
+    prefixes = ["val", *(["ema/val"] if values["trainer"]["ema"]["enabled"] else [])]
+    return [f"{prefix}/{name}" for prefix in prefixes for name in names]
+
+
+def backbone_task(config: dict[str, Any] | None, source: Any) -> Task:
+    """The task of the run that wrote ``source`` (its ``config``; a checkpoint without one: a classifier's),
+    refused in one line when its checkpoints hold no backbone to start from."""
+    task = get_task((config or {}).get("task", {}).get("name", "classification"))
+    if task.backbone_weights is None:
+        starters = ", ".join(sorted(name for name, t in TASKS.items() if t.backbone_weights is not None))
+        raise UserError(f"'{source}' is a {task.name} run, whose checkpoint holds no backbone to start from: "
+                        f"give a run of {starters}")
+    return task

@@ -1,27 +1,38 @@
 """ImageNet-style classification: build data and model, train with the common loop, record (and optionally
 evaluate the final model on corruptions: ``task.robustness.enabled=true``).
 
+``task.pretrained=<run>`` fine-tunes from another run's backbone -- a pre-training run's (MAE's encoder,
+DINO's teacher) or a classifier's -- keeping its normalizer (``task.keep_pretrained_norm``); every weight is
+accounted for (``normexp.tasks.pretrained``). ``task.linear_probe`` trains a new head only, on
+batch-normalised features of the frozen backbone (MAE's ``main_linprobe.py``).
+
 The classifier's part of the loop follows DeiT's main.py / engine.py (and timm's train.py): Mixup/CutMix with
 soft-target cross-entropy, else label smoothing, else plain cross-entropy; top-1 / top-5 accuracy.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, open_dict
 from timm.data import Mixup
+from timm.layers import trunc_normal_
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 
 from ..data import build_classification_data
+from ..engine.checkpoint import checkpoint_run_config, reported_weights
 from ..engine.evaluate import classification_metrics, count_predictions
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..models import build_backbone
 from ..models.stats import count_gmacs, count_params
 from ..tracking.records import RunRecord
+from . import Task, backbone_task, evaluated, register_task
+from .pretrained import HEAD, load_starting_weights, resized_position_embedding, starting_weights
 from .robustness import check_robustness_settings, evaluate_robustness
 
 log = logging.getLogger(__name__)
@@ -79,9 +90,61 @@ def check_classification(cfg: Any) -> None:
         check_robustness_settings(settings, cfg.data)
 
 
+def with_pretrained_model(cfg: DictConfig) -> DictConfig:
+    """With ``task.pretrained``: the config with the starting run's normalizer (unless
+    ``task.keep_pretrained_norm=false``); a run of another backbone is refused in one line."""
+    source = cfg.task.get("pretrained")
+    if not source:
+        return cfg
+    trained = checkpoint_run_config(source)
+    if trained is None:  # a bare checkpoint: the configured model
+        return cfg
+    backbone_task(trained, source)
+    if trained["backbone"]["name"] != cfg.backbone.name:
+        raise UserError(f"task.pretrained '{source}' is a run of backbone={trained['backbone']['name']}; "
+                        f"this run builds backbone={cfg.backbone.name}: fine-tune the same backbone")
+    if not cfg.task.keep_pretrained_norm:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.norm = trained["norm"]
+    return cfg
+
+
+def start_from(model: nn.Module, cfg: Any, record: RunRecord) -> None:
+    """``task.pretrained``'s backbone weights into ``model`` (its classifier head and ``fc_norm`` start
+    afresh unless the starting run has them in the same shape), ``task.head_init_std``, and for
+    ``task.linear_probe`` a frozen backbone under a batch-normalised linear head (MAE's linprobe)."""
+    source = cfg.task.get("pretrained")
+    if source:
+        weights, which, task = starting_weights(source)
+        dropped = ("norm.",) if isinstance(getattr(model, "norm", None), nn.Identity) else ()
+        report = load_starting_weights(model, resized_position_embedding(model, weights), source, fresh=HEAD,
+                                       dropped=dropped)
+        record.update(pretrained={"run": str(source), "task": task, "weights": which, **report})
+        log.info("backbone weights: the %s weights of %s (%s run); afresh: %s; unused: %s", which, source,
+                 task, ", ".join(report["fresh"]) or "none", ", ".join(report["dropped"]) or "none")
+    if not (cfg.task.head_init_std or cfg.task.linear_probe):
+        return
+    head = getattr(model, "head", None)
+    if not isinstance(head, nn.Linear):
+        raise UserError(f"task.head_init_std / task.linear_probe need a linear classifier 'head'; "
+                        f"{type(model).__name__} has none")
+    if cfg.task.head_init_std:
+        trunc_normal_(head.weight, std=cfg.task.head_init_std)
+        nn.init.zeros_(head.bias)
+    if cfg.task.linear_probe:
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        model.head = nn.Sequential(nn.BatchNorm1d(head.in_features, affine=False, eps=1e-6), head)
+        for parameter in model.head.parameters():
+            parameter.requires_grad_(True)
+
+
 def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
     data = build_classification_data(cfg.data, cfg.seed)
     model = build_backbone(cfg.backbone, cfg.norm)
+    start_from(model, cfg, record)
     record.update(params=count_params(model),
                   gmacs=round(count_gmacs(model, (data.in_chans, data.img_size, data.img_size)), 4))
     log.info("%s with norm=%s: %.2fM params, %.3f GMACs", cfg.backbone.name, cfg.norm.name,
@@ -98,3 +161,31 @@ def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
             first_step=trainer.update + 1, epoch=cfg.trainer.epochs)
         record.update(metrics=metrics)
     return metrics
+
+
+def metric_names(values: dict[str, Any]) -> list[str]:
+    return evaluated(values, ["top1", "top5", "loss"])
+
+
+def classifier_weights(state: dict[str, Any], ema: bool | None) -> tuple[dict[str, Any], str]:
+    """A classification checkpoint's backbone: the weights its recipe reports (``ema=None``), its EMA's
+    (``True``) or the trained ones (``False``)."""
+    if ema is None:
+        return reported_weights(state)
+    if ema and state.get("ema") is None:
+        raise UserError("the checkpoint has no EMA weights (trained with trainer.ema.enabled=false)")
+    return (state["ema"], "ema") if ema else (state.get("model", state), "raw")
+
+
+def classification_settings(values: dict[str, Any]) -> dict[str, Any]:
+    task = values["task"]
+    settings = {"pretrained": task.get("pretrained"), "linear_probe": task.get("linear_probe") or None}
+    if (task.get("robustness") or {}).get("enabled"):
+        settings["robustness"] = values["data"].get("imagenet_c_root") or "on the fly"
+    return settings
+
+
+register_task(Task("classification", run_classification, data=("digits", "imagenet"),
+                   metrics=metric_names, check=check_classification, prepare=with_pretrained_model,
+                   starts_from="task.pretrained", backbone_weights=classifier_weights,
+                   settings=classification_settings))

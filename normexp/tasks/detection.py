@@ -1,10 +1,11 @@
 """COCO detection: RetinaNet or Mask R-CNN over a normexp backbone, the common loop, COCOeval.
 
-``task.pretrained=<classification run dir or checkpoint>`` initialises the backbone: the backbone and norm
-are rebuilt from that run's stored config (``with_pretrained_backbone``, applied before the record is written,
-so the record names the model that runs) and the weights that run reports load strictly -- its EMA model's
-when its recipe reports the EMA (``trainer.ema.reported``: DTN, T2T-ViT), else the trained model's; only the
-weights detection adds (a plain model's simple pyramid) start fresh; the classifier head is kept, unused.
+``task.pretrained=<run dir or checkpoint>`` initialises the backbone: the backbone and norm are rebuilt from
+that run's stored config (``with_pretrained_backbone``, applied before the record is written, so the record
+names the model that runs) and the backbone weights its task reports (``Task.backbone_weights``: a
+classifier's EMA model's when its recipe reports the EMA, ``trainer.ema.reported`` -- DTN, T2T-ViT -- else
+the trained model's) load strictly; only the weights detection adds (a plain model's simple pyramid) start
+fresh; a classifier head is kept, unused.
 """
 
 from __future__ import annotations
@@ -20,19 +21,21 @@ from tqdm import tqdm
 
 from .. import CONFIG_DIR, distributed
 from ..data.coco import DetectionData, build_detection_data
-from ..engine.checkpoint import checkpoint_run_config, load_checkpoint, reported_weights
+from ..engine.checkpoint import checkpoint_run_config
 from ..engine.trainer import Trainer
 from ..errors import UserError
-from ..metrics.coco import coco_evaluate, coco_results
+from ..metrics.coco import STATS, coco_evaluate, coco_results
 from ..models import build_backbone
 from ..models.detection import DETECTORS, build_detector
 from ..models.stats import count_params
 from ..tracking.records import RunRecord
+from . import Task, backbone_task, evaluated, register_task
+from .pretrained import HEAD, load_starting_weights, starting_weights
 
 log = logging.getLogger(__name__)
 
-# Weights detection adds to a classification backbone (they are not in its checkpoint): a plain model's
-# simple pyramid, Swin's per-stage output norms.
+# Weights detection adds to a backbone (they are not in its checkpoint): a plain model's simple pyramid,
+# Swin's per-stage output norms. A classifier head (HEAD) is kept, unused: loaded if the run has one.
 DENSE_ONLY_PREFIXES = ("pyramid.", "feature_norms.")
 
 
@@ -76,22 +79,6 @@ class DetectionTrainer(Trainer):
         return distributed.broadcast_object(metrics)
 
 
-def load_backbone_weights(body: nn.Module, state: dict[str, Any], source: str) -> None:
-    """Every backbone weight from ``state`` (same names, same shapes), or one line saying what differs."""
-    own = body.state_dict()
-    missing = [k for k in own if k not in state and not k.startswith(DENSE_ONLY_PREFIXES)]
-    unexpected = [k for k in state if k not in own]
-    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-             if k in state and state[k].shape != v.shape]
-    if missing or unexpected or wrong:
-        parts = [f"{label} {items[:3]}{' ...' if len(items) > 3 else ''}"
-                 for label, items in (("missing", missing), ("unexpected", unexpected),
-                                      ("shape mismatch (checkpoint vs model)", wrong)) if items]
-        raise UserError(f"pretrained checkpoint '{source}' does not match the backbone "
-                        f"{type(body).__name__}: " + "; ".join(parts))
-    body.load_state_dict(state, strict=False)
-
-
 def check_detection(cfg: Any) -> None:
     """Before any work: a detector torchvision builds."""
     if cfg.task.detector not in DETECTORS:
@@ -114,9 +101,7 @@ def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
         log.info("pretrained checkpoint %s stores no config: using the configured backbone",
                  cfg.task.pretrained)
         return cfg
-    if trained["task"]["name"] != "classification":
-        raise UserError(f"task.pretrained '{cfg.task.pretrained}' is a {trained['task']['name']} run; "
-                        "give a classification run")
+    backbone_task(trained, cfg.task.pretrained)  # a run whose checkpoint holds a backbone
     if (trained["backbone"]["name"], trained["norm"]["name"]) != (cfg.backbone.name, cfg.norm.name):
         log.info("backbone from %s: %s with norm=%s (configured: %s with norm=%s)", cfg.task.pretrained,
                  trained["backbone"]["name"], trained["norm"]["name"], cfg.backbone.name, cfg.norm.name)
@@ -150,8 +135,8 @@ def build_detection_model(cfg: Any, num_classes: int, record: RunRecord | None =
     body = build_backbone(cfg.backbone, cfg.norm, dense=True)
     options = cfg.task.get(cfg.task.detector)  # further torchvision arguments of this detector
     if cfg.task.pretrained:
-        weights, which = reported_weights(load_checkpoint(cfg.task.pretrained))
-        load_backbone_weights(body, weights, str(cfg.task.pretrained))
+        weights, which, _ = starting_weights(cfg.task.pretrained)
+        load_starting_weights(body, weights, cfg.task.pretrained, fresh=(*DENSE_ONLY_PREFIXES, *HEAD))
         log.info("backbone weights: the %s model of %s", which, cfg.task.pretrained)
         if record is not None:
             record.update(pretrained_weights=which)
@@ -182,3 +167,17 @@ def run_detection(cfg: Any, record: RunRecord) -> dict[str, Any]:
     if record.writes:
         print(" ".join(f"{k}={v:.3f}" for k, v in final.items() if isinstance(v, float)), flush=True)
     return metrics
+
+
+def metric_names(values: dict[str, Any]) -> list[str]:
+    kinds = ["bbox", *(["segm"] if values["task"].get("detector") == "mask_rcnn" else [])]
+    return evaluated(values, [f"{kind}_{stat}" for kind in kinds for stat in STATS])
+
+
+def detection_settings(values: dict[str, Any]) -> dict[str, Any]:
+    return {"detector": values["task"].get("detector"), "pretrained": values["task"].get("pretrained")}
+
+
+register_task(Task("detection", run_detection, data=("coco", "coco_digits"), metrics=metric_names,
+                   check=check_detection, prepare=with_pretrained_backbone, dense=True,
+                   starts_from="task.pretrained", settings=detection_settings))

@@ -45,6 +45,7 @@ from ..metrics.robustness import (
 from ..models import build_backbone
 from ..models.stats import count_params
 from ..tracking.records import RunRecord, read_config, read_summary
+from . import Task, register_task
 
 log = logging.getLogger(__name__)
 
@@ -313,3 +314,7 @@ def run_robustness(cfg: Any, record: RunRecord) -> dict[str, Any]:
         cfg.task, cfg.data, model.to(precision.device), record, precision, progress=progress, epoch=epoch)}
     record.update(metrics=metrics, checkpoint=str(cfg.task.checkpoint))
     return metrics
+
+
+register_task(Task("robustness", run_robustness, data=("digits", "imagenet"), check=check_robustness,
+                   prepare=with_checkpoint_model, starts_from="task.checkpoint"))

@@ -182,6 +182,10 @@ class MlflowMirror:
             now = int(time.time() * 1000)
             self.store.log_metrics(self.run_id, [(metrics, int(row.get("step") or 0), now)])
 
+    def log_image(self, key: str, path: Path, step: int) -> None:
+        if self.artifacts:
+            self.store.client.log_artifact(self.run_id, str(path), artifact_path=key)
+
     def finish(self, summary: dict[str, Any]) -> None:
         self.store.finish(self.run_id, self.run_dir, summary, self.artifacts)
 

@@ -7,6 +7,7 @@ A run directory holds:
                     unbuffered; a resumed run keeps the rows up to its checkpoint and appends;
 - ``summary.json``  the schema below, rewritten atomically at the end (and marked ``running`` at start);
 - ``checkpoint.pth`` the last checkpoint (written by the engine);
+- ``<key>/epoch_<n>.png`` pictures a task logs at epoch ends (MAE's reconstructions), when it logs any;
 - ``run.lock``      while a process runs it (``normexp.tracking.lock``).
 
 Every file is replaced atomically (:func:`write_atomic`): a temporary file of its own, fsync'ed, renamed
@@ -230,6 +231,19 @@ class RunRecord:
             raise OSError(e.errno, e.strerror, str(self.dir / "metrics.jsonl")) from None
         for mirror in self.mirrors:
             mirror.log(row)
+
+    def log_image(self, key: str, image: Any, step: int, epoch: int) -> Path | None:
+        """A picture for the record: ``image`` (a PIL image) written as ``<key>/epoch_<epoch>.png`` in the run
+        directory, and shown by every mirror that shows pictures (W&B) under ``key`` at ``step``."""
+        if self._metrics is None:
+            return None
+        path = self.dir / key / f"epoch_{epoch:04d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: image.save(f, format="PNG"))
+        for mirror in self.mirrors:
+            if hasattr(mirror, "log_image"):
+                mirror.log_image(key, path, step)
+        return path
 
     def update(self, **fields: Any) -> None:
         """Add fields to the summary (params, gmacs, metrics...), written at ``finish``."""

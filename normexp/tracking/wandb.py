@@ -40,6 +40,9 @@ class WandbMirror:
         step = row.get("step")
         self.run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)
 
+    def log_image(self, key: str, path: Path, step: int) -> None:
+        self.run.log({key: self._wandb.Image(str(path))}, step=step)
+
     def finish(self, summary: dict[str, Any]) -> None:
         flat = {}
         for key, value in summary.items():

@@ -338,6 +338,31 @@ def normalize(layer: DTN, x: torch.Tensor, grid: tuple[int, int], prefix: int,
     return y
 
 
+def normalize_subset(layer: DTN, x: torch.Tensor, positions: torch.Tensor, prefix: int) -> torch.Tensor:
+    """x: (B, N, C) with ``prefix`` leading non-grid tokens, then the grid tokens at ``positions`` (B, M) of
+    ``layer.layout.grid``: steps (0)-(4) with P^h over the tokens present, from their offsets (plain ops;
+    autograd derives the backward)."""
+    b, n, c = x.shape
+    nh, d = layer.num_heads, layer.head_dim
+    xs, _, mu_ln, var_ln, _ = _prescale_stats(x, nh, layer.eps, prefix, None)
+    width = layer.layout.grid[1]
+    rows, cols = (positions // width).to(x.dtype), (positions % width).to(x.dtype)
+    dx, dy = cols[:, None, :] - cols[:, :, None], rows[:, None, :] - rows[:, :, None]  # [b, p, q]: q - p
+    rel = torch.stack((dx, dy, dx * dx + dy * dy), dim=-1)
+    weight, bias = layer.pos_proj.weight.to(x.dtype), layer.pos_proj.bias.to(x.dtype)
+    p = F.linear(rel, weight, bias).permute(0, 3, 1, 2).softmax(dim=2)  # [b, H, p, q], sums over p are 1
+    z = xs[:, prefix:].view(b, n - prefix, nh, d)
+    mu_in = torch.einsum("bhpq,bphd->bqhd", p, z)
+    var_in = (torch.einsum("bhpq,bphd->bqhd", p, z * z) - mu_in * mu_in).clamp_min(0)
+    lam_mu, lam_var = (None if t is None else t.to(x.dtype) for t in layer.mixing_weights())
+    mu_g, var_g = mu_ln[:, prefix:, None, None], var_ln[:, prefix:, None, None]
+    mu = mu_g if lam_mu is None else mu_in + lam_mu.view(nh, 1) * (mu_g - mu_in)
+    rstd = torch.rsqrt(var_in + lam_var.view(nh, 1) * (var_g - var_in) + layer.eps)
+    grid_out = ((z - mu) * rstd).reshape(b, n - prefix, c)
+    prefix_out = _ln_prefix(xs[:, :prefix], mu_ln[:, :prefix], var_ln[:, :prefix], layer.eps)
+    return torch.cat((prefix_out, grid_out), dim=1) * layer.weight.to(x.dtype) + layer.bias.to(x.dtype)
+
+
 def apply_position(layer: DTN, s: torch.Tensor, target_grid: tuple[int, int] | None = None) -> torch.Tensor:
     """out[h, q] = sum_p P^h[p, up(q)] s[h, p] for s of shape (H, h', w', M, d), tokens p = (row, col).
 

@@ -1,0 +1,227 @@
+"""Masked autoencoder (He et al. 2022, arXiv 2111.06377) around a normexp ViT: what facebookresearch/mae
+``models_mae.py`` computes, written from the paper and that file's behaviour.
+
+* The encoder is a normexp ViT (``vit_*``; with ``dtn_blocks`` the class token joins before block k, as in
+  its classifier) with a fixed 2-D sin-cos position embedding; it sees the class token and the visible
+  patches: each sample keeps ``int(L * (1 - mask_ratio))`` patches chosen by the argsort of uniform noise
+  (``ids_restore`` undoes the shuffle), as MAE's ``random_masking``.
+* The decoder: a linear map to its width, mask tokens at the masked positions (unshuffled), its own fixed
+  sin-cos embedding, ``depth`` timm blocks, a norm and a linear prediction of each patch's pixels.
+* The loss: mean squared error on the masked patches only; with ``norm_pix_loss`` the targets are the
+  patches standardised by their own mean and (unbiased) variance.
+* MAE's initialisation after construction: xavier-uniform Linear weights (the fused qkv too) and patch
+  projection (as a matrix), zero biases, LayerNorm 1 / 0, class and mask tokens normal(0.02).
+
+Norm slots: every one of the encoder's (its final norm included) and the decoder's, through the placement
+walker like any model (:meth:`MaskedAutoencoder.norm_context`) -- what DyT's patch of MAE does with
+``convert_ln_to_dyt(model)``. The encoder's token layout carries the visible tokens' grid positions while
+they pass (``TokenLayout.positions``), the decoder's layout the full grid: DTN takes its statistics from them.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+from timm.models.vision_transformer import Block
+from torch import nn
+
+from ..norms.layout import TokenLayout
+from .base import NormContext
+
+
+# ---------------------------------------------------------------- fixed 2-D sin-cos position embedding
+def sincos_1d(dim: int, positions: np.ndarray) -> np.ndarray:
+    """(len(positions), dim): sin(p w_k), then cos(p w_k), w_k = 10000^(-2k/dim) for k < dim/2."""
+    omega = 1.0 / 10000 ** (np.arange(dim // 2, dtype=np.float64) / (dim / 2.0))
+    angles = np.outer(positions.astype(np.float64), omega)
+    return np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
+
+
+def sincos_2d(dim: int, grid: tuple[int, int], cls_token: bool) -> torch.Tensor:
+    """(1, [1 +] h*w, dim) for a grid in raster order: the first half of the channels encodes the column, the
+    second the row (MAE's ``get_2d_sincos_pos_embed``); a class token gets zeros."""
+    if dim % 4:
+        raise ValueError(f"a 2-D sin-cos position embedding needs a width divisible by 4, got {dim}")
+    h, w = grid
+    rows, cols = np.divmod(np.arange(h * w), w)
+    emb = np.concatenate([sincos_1d(dim // 2, cols), sincos_1d(dim // 2, rows)], axis=1)
+    if cls_token:
+        emb = np.concatenate([np.zeros((1, dim)), emb], axis=0)
+    return torch.from_numpy(emb).float()[None]
+
+
+# ---------------------------------------------------------------- patches and masks
+def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
+    """(N, C, H, W) -> (N, L, patch * patch * C), patches in raster order, pixels row-major, channels last."""
+    n, c, h, w = images.shape
+    x = images.reshape(n, c, h // patch, patch, w // patch, patch)
+    return torch.einsum("nchpwq->nhwpqc", x).reshape(n, (h // patch) * (w // patch), patch * patch * c)
+
+
+def unpatchify(patches: torch.Tensor, patch: int, grid: tuple[int, int]) -> torch.Tensor:
+    """The inverse of :func:`patchify` for a ``grid`` of (rows, columns) patches."""
+    n, _, d = patches.shape
+    c = d // (patch * patch)
+    x = patches.reshape(n, *grid, patch, patch, c)
+    return torch.einsum("nhwpqc->nchpwq", x).reshape(n, c, grid[0] * patch, grid[1] * patch)
+
+
+def random_masking(x: torch.Tensor, mask_ratio: float, noise: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample random masking by sorting uniform ``noise`` (N, L): (the kept tokens (N, keep, D), the mask
+    (N, L; 1 = masked), ``ids_restore`` (N, L: where each token went), ``ids_keep`` (N, keep))."""
+    n, length, d = x.shape
+    keep = int(length * (1 - mask_ratio))
+    if noise is None:
+        noise = torch.rand(n, length, device=x.device)
+    ids_shuffle = torch.argsort(noise, dim=1)  # ascending: small noise is kept
+    ids_restore = torch.argsort(ids_shuffle, dim=1)
+    ids_keep = ids_shuffle[:, :keep]
+    kept = torch.gather(x, 1, ids_keep[..., None].expand(-1, -1, d))
+    mask = torch.ones(n, length, device=x.device)
+    mask[:, :keep] = 0
+    return kept, torch.gather(mask, 1, ids_restore), ids_restore, ids_keep
+
+
+def patch_targets(images: torch.Tensor, patch: int, norm_pix_loss: bool) -> torch.Tensor:
+    """What the decoder predicts: the pixels of each patch, standardised per patch with ``norm_pix_loss``."""
+    target = patchify(images, patch)
+    if norm_pix_loss:
+        mean, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
+        target = (target - mean) / (var + 1.0e-6) ** 0.5
+    return target
+
+
+def masked_loss(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean squared error per patch, averaged over the masked patches only."""
+    per_patch = (prediction - target).pow(2).mean(dim=-1)
+    return (per_patch * mask).sum() / mask.sum()
+
+
+# ---------------------------------------------------------------- the model
+class MaskedAutoencoder(nn.Module):
+    """MAE around ``encoder`` (a normexp ViT built without a head); see the module docstring."""
+
+    def __init__(self, encoder: nn.Module, decoder_dim: int = 512, decoder_depth: int = 8,
+                 decoder_heads: int = 16, mask_ratio: float = 0.75, norm_pix_loss: bool = True,
+                 mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        if not 0 < mask_ratio < 1:
+            raise ValueError(f"mask_ratio must be in (0, 1), got {mask_ratio}")
+        needed = ("patch_embed", "cls_token", "pos_embed", "blocks", "norm", "token_layout")
+        if any(getattr(encoder, attr, None) is None for attr in needed):
+            raise ValueError(f"{type(encoder).__name__} is no ViT with a class token (the MAE encoder needs "
+                             f"{', '.join(needed)}): use a vit_* backbone")
+        if decoder_dim % decoder_heads:
+            raise ValueError(f"decoder_heads={decoder_heads} must divide decoder_dim={decoder_dim}")
+        self.encoder, self.mask_ratio, self.norm_pix_loss = encoder, mask_ratio, norm_pix_loss
+        self.decoder_heads = decoder_heads
+        self.patch = encoder.patch_embed.patch_size[0]
+        self.grid = tuple(encoder.patch_embed.grid_size)
+        self.with_cls_position = not encoder.no_embed_class
+        dim = encoder.embed_dim
+        encoder.pos_embed.requires_grad_(False)  # fixed sin-cos, as MAE's
+        self.decoder_embed = nn.Linear(dim, decoder_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_dim))
+        self.decoder_pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid[0] * self.grid[1], decoder_dim),
+                                              requires_grad=False)
+        norm_layer = partial(nn.LayerNorm, eps=1e-6)
+        self.decoder_blocks = nn.ModuleList(
+            Block(decoder_dim, decoder_heads, mlp_ratio, qkv_bias=True, norm_layer=norm_layer)
+            for _ in range(decoder_depth))
+        self.decoder_norm = norm_layer(decoder_dim)
+        channels = encoder.patch_embed.proj.in_channels
+        self.decoder_pred = nn.Linear(decoder_dim, self.patch * self.patch * channels)
+        self.decoder_layout = TokenLayout(num_prefix_tokens=1)
+        self.norm_keep = [f"encoder.{pattern}" for pattern in getattr(encoder, "norm_keep", ())]
+        self.initialize_weights()
+
+    @torch.no_grad()
+    def initialize_weights(self) -> None:
+        enc = self.encoder
+        enc.pos_embed.copy_(sincos_2d(enc.embed_dim, self.grid, self.with_cls_position))
+        self.decoder_pos_embed.copy_(sincos_2d(self.decoder_pos_embed.shape[-1], self.grid, True))
+        weight = enc.patch_embed.proj.weight
+        nn.init.xavier_uniform_(weight.view(weight.shape[0], -1))
+        nn.init.normal_(enc.cls_token, std=0.02)
+        nn.init.normal_(self.mask_token, std=0.02)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    # ------------------------------------------------------------ the contract of a model with norm slots
+    def norm_context(self, name: str) -> NormContext:
+        """The encoder's slots: the encoder's context; the decoder's: its heads and its full-grid layout
+        (outside any encoder block, so ``norm.placement.first_blocks`` leaves them as built)."""
+        if name.startswith("encoder."):
+            return self.encoder.norm_context(name.removeprefix("encoder."))
+        return {"block": None, "num_heads": self.decoder_heads, "layout": self.decoder_layout,
+                "num_prefix_tokens": 1, "pooled": False}
+
+    def no_weight_decay(self) -> set[str]:
+        """The frozen position embeddings (MAE's optimizer exempts only 1-D parameters and biases: the class
+        and mask tokens are decayed)."""
+        return {"encoder.pos_embed", "decoder_pos_embed"}
+
+    # ------------------------------------------------------------ forward
+    def forward_encoder(self, images: torch.Tensor, noise: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(class token + visible tokens, encoded (N, 1 + keep, D); mask (N, L); ids_restore (N, L))."""
+        enc = self.encoder
+        x = enc.patch_embed(images)  # sets the layouts' grid (every token present)
+        x = x.flatten(1, 2) if x.dim() == 4 else x
+        pos = enc.pos_embed
+        x = x + (pos[:, 1:] if self.with_cls_position else pos)
+        x, mask, ids_restore, ids_keep = random_masking(x, self.mask_ratio, noise)
+        cls = enc.cls_token + (pos[:, :1] if self.with_cls_position else 0)
+        cls = cls.expand(x.shape[0], -1, -1)
+        layouts = {id(layout): layout for layout in (enc.token_layout, getattr(enc, "grid_layout", None))
+                   if layout is not None}
+        for layout in layouts.values():
+            layout.positions = ids_keep
+        try:
+            late = getattr(enc, "dtn_blocks", None)
+            if late is None:
+                x = enc.blocks(enc.norm_pre(torch.cat([cls, x], dim=1)))
+            else:  # the class token joins before block `late`, as in the classifier
+                x = enc.blocks[late:](torch.cat([cls, enc.blocks[:late](enc.norm_pre(x))], dim=1))
+            x = enc.norm(x)
+        finally:
+            for layout in layouts.values():
+                layout.positions = None
+        return x, mask, ids_restore
+
+    def forward_decoder(self, x: torch.Tensor, ids_restore: torch.Tensor) -> torch.Tensor:
+        """Every patch's predicted pixels (N, L, patch * patch * C) from the encoded visible tokens."""
+        x = self.decoder_embed(x)
+        n, length = ids_restore.shape
+        tokens = torch.cat([x[:, 1:], self.mask_token.expand(n, length - x.shape[1] + 1, -1)], dim=1)
+        tokens = torch.gather(tokens, 1, ids_restore[..., None].expand(-1, -1, x.shape[2]))  # unshuffle
+        x = torch.cat([x[:, :1], tokens], dim=1) + self.decoder_pos_embed
+        self.decoder_layout.set_grid(*self.grid)
+        for block in self.decoder_blocks:
+            x = block(x)
+        return self.decoder_pred(self.decoder_norm(x))[:, 1:]
+
+    def forward(self, images: torch.Tensor, noise: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, predicted patches, mask); ``noise`` (N, L) fixes the masks (else drawn uniformly)."""
+        latent, mask, ids_restore = self.forward_encoder(images, noise)
+        prediction = self.forward_decoder(latent, ids_restore)
+        return masked_loss(prediction, patch_targets(images, self.patch, self.norm_pix_loss), mask), \
+            prediction, mask
+
+    def reconstruct(self, images: torch.Tensor, prediction: torch.Tensor) -> torch.Tensor:
+        """Images from predicted patches (undoing ``norm_pix_loss`` with each patch's own statistics)."""
+        if self.norm_pix_loss:
+            target = patchify(images, self.patch)
+            mean, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
+            prediction = prediction * (var + 1.0e-6) ** 0.5 + mean
+        return unpatchify(prediction, self.patch, self.grid)

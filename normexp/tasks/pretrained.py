@@ -1,0 +1,66 @@
+"""Starting from another run (``task.pretrained``): its backbone weights, as its task finds them in its
+checkpoint (``Task.backbone_weights``: a classifier's reported weights, an MAE encoder, a DINO teacher),
+loaded so that nothing is dropped without a word.
+
+:func:`load_starting_weights` loads every weight of the model from them, except the model's own additions
+(``fresh``: a new classifier head, a detector's pyramid), which keep their initialisation when the starting
+run has none of the same shape; every starting weight is used, except those the model has no place for by
+design (``dropped``: an encoder's final norm under a pooled classifier, whose ``fc_norm`` replaces it, as in
+MAE's fine-tuning). Anything else that does not match is one line; what was left out is returned for the
+run's record.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from timm.layers import resample_abs_pos_embed
+from torch import nn
+
+from ..engine.checkpoint import load_checkpoint
+from ..errors import UserError
+from . import backbone_task
+
+HEAD = ("head.", "fc_norm.")  # what a classifier adds to a backbone
+
+
+def starting_weights(source: Any) -> tuple[dict[str, Any], str, str]:
+    """(the backbone's weights, which weights they are, the task of the run) of the run or checkpoint
+    ``source``."""
+    state = load_checkpoint(source)
+    task = backbone_task(state.get("config"), source)
+    weights, which = task.backbone_weights(state, None)
+    return weights, which, task.name
+
+
+def load_starting_weights(model: nn.Module, weights: dict[str, Any], source: Any, fresh: tuple[str, ...] = (),
+                          dropped: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Load ``weights`` into ``model`` (see the module docstring); returns ``{"fresh": [...], "dropped":
+    [...]}``, the model's weights that kept their initialisation and the starting weights left unused."""
+    own = model.state_dict()
+    kept = [k for k in own if k.startswith(fresh) and (k not in weights or weights[k].shape != own[k].shape)]
+    missing = [k for k in own if k not in weights and k not in kept]
+    unused = [k for k in weights if k not in own or k in kept]
+    unexpected = [k for k in unused if not k.startswith((*dropped, *fresh))]
+    wrong = [f"{k} {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+             if k in weights and k not in kept and weights[k].shape != v.shape]
+    if missing or unexpected or wrong:
+        parts = [f"{label} {items[:3]}{' ...' if len(items) > 3 else ''}"
+                 for label, items in (("missing", missing), ("unexpected", unexpected),
+                                      ("shape mismatch (checkpoint vs model)", wrong)) if items]
+        raise UserError(f"pretrained checkpoint '{source}' does not match the backbone "
+                        f"{type(model).__name__}: " + "; ".join(parts))
+    model.load_state_dict({k: v for k, v in weights.items() if k in own and k not in kept}, strict=False)
+    return {"fresh": kept, "dropped": unused}
+
+
+def resized_position_embedding(model: nn.Module, weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` with a ViT's ``pos_embed`` resampled (bicubic) to the model's grid when the starting run's
+    grid differs -- what MAE's fine-tuning does with ``interpolate_pos_embed``."""
+    own = getattr(model, "pos_embed", None)
+    theirs = weights.get("pos_embed")
+    if own is None or theirs is None or theirs.shape == own.shape:
+        return weights
+    prefix = 0 if getattr(model, "no_embed_class", False) else model.num_prefix_tokens
+    grid = list(model.patch_embed.grid_size)
+    return {**weights, "pos_embed": resample_abs_pos_embed(theirs, grid, num_prefix_tokens=prefix)}
