@@ -165,7 +165,7 @@ class TrainerSchema:
     mixup: MixupSchema = field(default_factory=MixupSchema)
     ema: EmaSchema = field(default_factory=EmaSchema)
     clip_grad: float | None = _check(above=0)
-    clip_mode: str = _check(choices=["norm", "value", "agc"])
+    clip_mode: str = _check(choices=["norm", "value", "agc", "param"])
     max_loss: float | None = _check(above=0)
     eval_interval: int = _check(**rng(1))
     best_metric: str  # one of the task's metrics: checked against the task below

@@ -32,8 +32,11 @@ def shipped(group: str, option: str) -> list[str]:
     overrides = [f"{group}={option}"]
     if group == "backbone" and not option.endswith("_micro"):
         overrides.append("data=imagenet")  # the published sizes take ImageNet's 224 px
-    if (group, option[:4]) in (("data", "coco"), ("trainer", "dete")):
-        overrides.append("task=detection")  # the task that reads that data, reports that metric
+    if group == "data" and option.startswith("coco"):
+        overrides.append("task=detection")  # the task that reads that data
+    prefix = option.split("_")[0]
+    if group == "trainer" and prefix in options("task"):
+        overrides.append(f"task={prefix}")  # a task's recipe (detection_1x, mae_digits): its metric
     return overrides
 
 

@@ -45,5 +45,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 def batch_size_of(images: torch.Tensor | list[torch.Tensor]) -> int:
-    """Images in a batch: a stacked tensor (classification) or a list of images (detection)."""
-    return images.shape[0] if isinstance(images, torch.Tensor) else len(images)
+    """Images in a batch: a stacked tensor (classification), a list of images (detection) or a list of
+    stacked views of the same images (multi-crop: the images of one)."""
+    if isinstance(images, torch.Tensor):
+        return images.shape[0]
+    return images[0].shape[0] if images and images[0].dim() == 4 else len(images)

@@ -110,7 +110,6 @@ class Trainer:
         self.train_images, self.train_seconds = 0, 0.0
         self.loss_window = LossWindow(self.device, cfg.get("max_loss"))
         self.stop = StopSignals(self.device, cfg.log_interval)
-        resume_training(self, cfg.resume)
 
     # ---------------------------------------------------------------- set-up
     def build_scheduler(self) -> Any:
@@ -154,6 +153,7 @@ class Trainer:
         on a stop signal :class:`Interrupted` propagates after the checkpoint is written. Either way the
         record counts the image files the loaders skipped (``data.on_bad_image=skip``).
         """
+        resume_training(self, self.cfg.resume)  # here, once a task's trainer has set up its own state
         try:
             with self.stop:
                 while self.epoch < self.cfg.epochs:
@@ -241,14 +241,31 @@ class Trainer:
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
     def optimizer_step(self) -> None:
-        if self.cfg.clip_grad:
-            self.precision.unscale(self.optimizer)
-            dispatch_clip_grad(self.module.parameters(), self.cfg.clip_grad, mode=self.cfg.clip_mode)
+        self.prepare_step()
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.update += 1
         if self.cfg.sched_on == "update":
             self.scheduler.step_update(self.update)
+        self.after_update()
+
+    def prepare_step(self) -> None:
+        """Before update ``self.update`` is applied: the gradients clipped (``trainer.clip_grad``: the global
+        norm, each value, AGC -- timm's modes -- or, ``clip_mode=param``, each parameter's norm, as DINO's
+        ``utils.clip_gradients``)."""
+        if not self.cfg.clip_grad:
+            return
+        self.precision.unscale(self.optimizer)
+        if self.cfg.clip_mode != "param":
+            dispatch_clip_grad(self.module.parameters(), self.cfg.clip_grad, mode=self.cfg.clip_mode)
+            return
+        for parameter in self.module.parameters():
+            if parameter.grad is not None:
+                coefficient = self.cfg.clip_grad / (parameter.grad.norm(2) + 1e-6)
+                parameter.grad.mul_(coefficient.clamp(max=1.0))
+
+    def after_update(self) -> None:
+        """After an update: the EMA model follows (``trainer.ema``)."""
         if self.ema is not None:
             self.ema.update(self.module, step=self.update - 1)
 

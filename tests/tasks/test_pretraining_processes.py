@@ -1,0 +1,77 @@
+"""The pre-training tasks as processes: killed with SIGKILL mid-epoch, the same command continues the run to
+the numbers of an uninterrupted one (a DINO teacher and centre, the schedules, the RNG states included);
+two torchrun processes write one record."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from normexp.engine.checkpoint import load_checkpoint
+from normexp.tracking.records import read_metrics, read_summary
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["logger=none", "trainer.progress=false", "trainer.device=cpu", "data.img_size=8",
+          "trainer.epochs=2", "trainer.warmup_epochs=1", "trainer.log_interval=1",
+          "trainer.checkpoint_interval=2", "data.val_fraction=0.8", "data.batch_size=32"]
+TASKS = {
+    "mae": ["task=mae", "norm=dtn"],  # DTN on the visible tokens, in the decoder on the full grid
+    "dino": ["task=dino", "norm=dyt", "task.local_crops=2", "task.local_size=4", "task.out_dim=64",
+             "task.hidden_dim=32", "task.bottleneck_dim=16"],
+}
+ENV = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+
+
+def command(task: str, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "normexp", *COMMON, *TASKS[task], f"hydra.run.dir={run_dir}"]
+
+
+def finish(task: str, run_dir: Path) -> dict:
+    done = subprocess.run(command(task, run_dir), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return read_summary(run_dir)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_sigkill_mid_epoch_then_the_same_command(tmp_path, task):
+    reference = finish(task, tmp_path / "uninterrupted")
+    run_dir = tmp_path / "killed"
+    process = subprocess.Popen(command(task, run_dir), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+        if max((r["step"] for r in rows), default=0) >= 13:  # into epoch 2 (11 updates each), checkpointed
+            break
+        assert process.poll() is None, "the run ended before it was killed"
+        time.sleep(0.05)
+    process.kill()
+    process.wait()
+    state = load_checkpoint(run_dir)
+    assert state["epoch"] == 1 and state["batch"] > 0  # mid-epoch
+    if task == "dino":
+        assert set(state["task"]) == {"teacher", "center"}
+    resumed = finish(task, run_dir)
+    assert resumed["metrics"] == reference["metrics"]
+    assert [a["status"] for a in resumed["attempts"]] == ["interrupted", "completed"]
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_two_torchrun_processes_write_one_record(tmp_path, task):
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           "--master_port=29531", "-m", "normexp", *COMMON, *TASKS[task],
+                           "data.batch_size=16", f"hydra.run.dir={run_dir}"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["global_batch"] == 32
+    assert [p.parent for p in tmp_path.rglob("summary.json")] == [run_dir]
