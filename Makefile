@@ -32,7 +32,7 @@ help:
 	@echo "                results/figures/<id>.png [SCALE=...] [SEEDS=...] [LAUNCHER=...]; figures: $(FIGURES)"
 	@echo "make figures    every figure (one after another)"
 	@echo "make dashboard  import every run record into MLflow and serve its UI on http://127.0.0.1:5000"
-	@echo "make bench      normalizer and training-step benchmarks at a small size -> results/bench/*.md"
+	@echo "make bench      normalizer, training-step and pre-training-step benchmarks -> results/bench/*.md"
 	@echo "make gpu-check  on a CUDA machine: fused kernels, bf16, ViT-S steps, a torchrun kill/resume run"
 	@echo "                -> results/bench/gpu/*.md (minutes on one GPU)"
 
@@ -88,6 +88,8 @@ bench: install
 	$(PY) scripts/bench_norms.py --batch 8 --rounds 3 --repeats 10 --out results/bench/norms.md
 	$(PY) scripts/bench_train.py --backbone vit_small --norms ln dyt dtn --batch 8 --warmup 2 --steps 2 \
 		--rounds 3 --trainer-steps 3 --out results/bench/train.md
+	$(PY) scripts/bench_pretrain.py --backbone vit_base --norms ln dyt dtn --batch 4 --local-crops 10 \
+		--warmup 1 --steps 2 --rounds 2 --out results/bench/pretrain.md
 
 clean-runs:
 	rm -rf outputs multirun

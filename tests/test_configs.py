@@ -119,7 +119,10 @@ def test_dyt_recipe_values(backbone):
 RECIPE_BATCH = {"deit_imagenet": (1024, 3), "dtn_imagenet": (1024, 3), "dtn_pvt_imagenet": (1024, 3),
                 "pvt_imagenet": (1024, 3), "levit_imagenet": (2048, 3), "swin_imagenet": (1024, 0),
                 "t2t_imagenet": (512, 0), "dyt_imagenet": (4096, 0), "retinanet_pvt_1x": (16, None),
-                "mask_rcnn_pvt_1x": (16, None), "mask_rcnn_swin_1x": (16, None)}
+                "mask_rcnn_pvt_1x": (16, None), "mask_rcnn_swin_1x": (16, None),
+                # MAE PRETRAIN.md / FINETUNE.md / LINPROBE.md; DyT's DINO commands (32 x 32, 176 x 6)
+                "mae_pretrain": (4096, 0), "mae_finetune": (1024, 0), "mae_finetune_large": (1024, 0),
+                "mae_linprobe": (16384, 0), "dino_vitb16": (1024, 0), "dino_vitb8": (1056, 0)}
 
 
 def test_every_recipe_states_its_global_batch():
@@ -151,6 +154,14 @@ RECIPE_LOOP = {
     "swin_imagenet": ("update", 0, False, 0, 300, False, "bf16"),
     # jiachenzhu/DyT = facebookresearch/ConvNeXt utils.cosine_scheduler: per iteration, cosine after warm-up
     "dyt_imagenet": ("update", 0, True, 0, 300, True, None),
+    # facebookresearch/mae util/lr_sched.py: per iteration, half-cycle cosine after the warm-up; autocast
+    "mae_pretrain": ("update", 0, True, 0, 800, False, "fp16"),
+    "mae_finetune": ("update", 0, True, 0, 100, False, "fp16"),
+    "mae_finetune_large": ("update", 0, True, 0, 50, False, "fp16"),
+    "mae_linprobe": ("update", 0, True, 0, 90, False, "fp16"),
+    # facebookresearch/dino utils.cosine_scheduler: per iteration, cosine after the warm-up; fp32 (DyT)
+    "dino_vitb16": ("update", 0, True, 0, 400, False, None),
+    "dino_vitb8": ("update", 0, True, 0, 300, False, None),
 }
 
 
@@ -168,6 +179,8 @@ RECIPE_CLIP = {
     "pvt_imagenet": None,  # classification/configs/pvt/pvt_small.py: clip_grad None (medium/large: 1.0)
     "levit_imagenet": 0.01, "swin_imagenet": 5.0, "t2t_imagenet": None, "dyt_imagenet": None,
     "retinanet_pvt_1x": None, "mask_rcnn_pvt_1x": None, "mask_rcnn_swin_1x": None,  # grad_clip=None
+    "mae_pretrain": None, "mae_finetune": None, "mae_finetune_large": None, "mae_linprobe": None,
+    "dino_vitb16": 0.3, "dino_vitb8": 3.0,  # per parameter (clip_mode=param), as DINO's clip_gradients
 }
 
 

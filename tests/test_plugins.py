@@ -182,3 +182,39 @@ def test_every_process_of_a_job_has_the_plugins(user_dir, launch):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["params"] == mixer_params(WIDTH + 1)
     assert summary.get("world_size", 1) == (2 if launch == "torchrun" else 1)
+
+
+TASK_PLUGIN = '''
+"""A user's task: the parameter count of the configured model, and nothing else."""
+from normexp.models import build_backbone
+from normexp.tasks import Task, register_task
+
+
+def run_count(cfg, record):
+    model = build_backbone(cfg.backbone, cfg.norm)
+    count = sum(p.numel() for p in model.parameters())
+    record.update(params=count, metrics={"final": {"params": count}})
+    return record.summary["metrics"]
+
+
+register_task(Task("count", run_count, data=("digits",)))
+'''
+
+
+def test_a_task_from_a_plugin_runs_as_a_shipped_one(tmp_path):
+    """A task is one module and one yaml, from the user's directory (no edit of normexp)."""
+    from normexp.run import run
+    from normexp.tables.plan import hydra_composer
+
+    (tmp_path / "mytasks.py").write_text(TASK_PLUGIN)
+    (tmp_path / "configs" / "task").mkdir(parents=True)
+    (tmp_path / "configs" / "task" / "count.yaml").write_text("name: count\n")
+    with hydra_composer([f"hydra.searchpath=[file://{tmp_path}/configs]"]) as compose:
+        cfg = compose(["task=count", f"plugins=[{tmp_path}/mytasks.py]", "logger=none", "norm=dyt"])
+    summary = run(cfg, tmp_path / "run")
+    assert summary["status"] == "completed" and summary["task"] == "count"
+    assert summary["metrics"]["final"]["params"] == summary["params"] > 0
+    with hydra_composer([f"hydra.searchpath=[file://{tmp_path}/configs]"]) as compose:
+        wrong = compose(["task=count", f"plugins=[{tmp_path}/mytasks.py]", "logger=none", "data=imagenet"])
+    with pytest.raises(UserError, match="task=count reads data=digits, not data=imagenet"):
+        run(wrong, tmp_path / "wrong")

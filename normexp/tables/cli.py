@@ -93,16 +93,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     Two planners on one output root share the work: each job claims its run (``run.lock``) before it
     trains, a run another process holds is skipped and waited for, and one whose owner died is launched
-    again (it resumes from its checkpoint)."""
+    again (it resumes from its checkpoint). Runs that start from another table's runs (``key=table:<id>``)
+    wait for them: that table is run first (once per call), then this one's plan is made again."""
     start = time.perf_counter()
     plan = make_plan(args.table, args.scale, args.seeds, args.overrides)
     if args.dry_run:
         print_plan(plan, dry_run=True)
         return 0
     launched: set[str] = set()
+    first: set[str] = set()  # tables whose runs this one's start from, run first
     while True:
         todo = [r for r in plan.to_run() if r.run_id not in launched]
         busy = plan.busy()
+        needed = sorted({r.needs for r in plan.blocked() if r.needs} - first)
         if todo:
             launched |= {r.run_id for r in todo}
             cmd = sweep_command(args.table, args.scale, args.seeds, args.launcher, args.overrides)
@@ -110,6 +113,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             subprocess.run(cmd, check=False)  # failures are in the records; the table says which
         elif busy:
             wait_for(busy)
+        elif needed:  # its runs start from another table's that have no result yet: that table first
+            for table in needed:
+                print(f"table {plan.spec.id}: runs start from table {table}'s, which have no result yet: "
+                      "running that table first", flush=True)
+                cmd_run(argparse.Namespace(**{**vars(args), "table": table}))
+            first |= set(needed)
         else:
             break
         if plan.blocked():  # the run a blocked one starts from may have its result now: plan again

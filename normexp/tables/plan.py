@@ -44,7 +44,8 @@ def table_dir(table_id: str, scale: str, root: Path | None = None) -> Path:
 class PlannedRun:
     """One run a table needs: the overrides it is launched with and the points (rows x seeds) it serves.
 
-    ``blocked``: why it cannot run yet (a run it starts from, e.g. a pretrained backbone, has no result).
+    ``blocked``: why it cannot run yet (a run it starts from, e.g. a pretrained backbone, has no result);
+    ``needs``: the table that run is in (``table run`` runs that table first).
     A ``damaged`` record is shown as such and never launched again over: its directory is the user's to
     repair or move away.
     """
@@ -55,6 +56,7 @@ class PlannedRun:
     points: list[Point] = field(default_factory=list)
     record: Record | None = None
     blocked: str | None = None
+    needs: str | None = None
 
     @property
     def status(self) -> str:
@@ -182,7 +184,8 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
         point.labels = {key: OmegaConf.select(paper_cfg, key) for key in spec.label_keys}
         point.paper = resolved(paper_cfg)
         overrides = scale.apply(point.overrides, point.task) + list(extra)
-        overrides, blocked = _resolve_links(overrides, point, spec, scale, seeds, compose, root, linked)
+        overrides, blocked, needs = _resolve_links(overrides, point, spec, scale, seeds, compose, root,
+                                                   linked)
         cfg = paper_cfg if overrides == point.overrides else _compose(compose, overrides, spec.id)
         if prepare and not blocked:
             cfg = _prepared(cfg)
@@ -193,7 +196,8 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
                 validate(cfg, environment=False)
             except UserError as e:
                 raise UserError(f"table {spec.id}: the run {' '.join(overrides)} is invalid: {e}") from None
-            runs[run_id] = PlannedRun(run_id, overrides, config, record=index.get(run_id), blocked=blocked)
+            runs[run_id] = PlannedRun(run_id, overrides, config, record=index.get(run_id), blocked=blocked,
+                                      needs=needs)
         runs[run_id].points.append(point)
     return TablePlan(spec, scale, seeds, list(runs.values()))
 
@@ -203,14 +207,17 @@ LINK = "table:"
 
 def _resolve_links(overrides: list[str], point: Point, spec: TableSpec, scale: Scale,
                    seeds: tuple[int, ...], compose: ComposeFn, root: Path | None,
-                   linked: dict[str, list[tuple[Point, PlannedRun]]]) -> tuple[list[str], str | None]:
+                   linked: dict[str, list[tuple[Point, PlannedRun]]]
+                   ) -> tuple[list[str], str | None, str | None]:
     """Replace ``key=table:<id>`` by the record directory of that table's run of the same model and seed.
 
     ``task.pretrained=table:dtn_backbones`` starts a detector from the ImageNet run of ``dtn_backbones``
     whose config agrees with this point's on the spec's ``link_keys`` (at paper scale; by default the
-    backbone and norm names). Until that run has a result, the point is blocked.
+    backbone and norm names; ``table.*`` keys a block sets, e.g. ``+table.method=mae``, tell apart runs of
+    one model that start from different pre-trainings). Until that run has a result, the point is blocked:
+    returns (the overrides, why it is blocked, the table it needs).
     """
-    out, blocked = [], None
+    out, blocked, needs = [], None, None
     keys = spec.link_keys
     for override in overrides:
         key, _, value = override.partition("=")
@@ -231,9 +238,9 @@ def _resolve_links(overrides: list[str], point: Point, spec: TableSpec, scale: S
         if match.done and match.record is not None:
             out.append(f"{key}={match.record.dir}")
         else:
-            out.append(f"{key}=null")
-            blocked = f"needs table {other}'s run {match.dir_name} ({match.status}): run that table first"
-    return out, blocked
+            out.append(f"{key}=pending-{match.run_id}")  # a stand-in that keeps other starts' runs apart
+            blocked, needs = f"needs table {other}'s run {match.dir_name} ({match.status})", other
+    return out, blocked, needs
 
 
 def _compose(compose: ComposeFn, overrides: list[str], table_id: str) -> DictConfig:

@@ -32,6 +32,7 @@ def key_settings(config: dict[str, Any]) -> dict[str, Any]:
         "epochs": t.get("epochs"),
         "opt": t.get("opt"),
         "lr": lr,
+        "layer_decay": t.get("layer_decay"),
         "wd": t.get("weight_decay"),
         "warmup": t.get("warmup_iters") and f"{t['warmup_iters']} it" or t.get("warmup_epochs"),
         "sched": t.get("sched"),

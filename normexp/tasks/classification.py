@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..models import build_backbone
 from ..models.stats import count_gmacs, count_params
-from ..tracking.records import RunRecord
+from ..tracking.records import RunRecord, read_summary
 from . import Task, backbone_task, evaluated, register_task
 from .pretrained import HEAD, load_starting_weights, resized_position_embedding, starting_weights
 from .robustness import check_robustness_settings, evaluate_robustness
@@ -121,7 +122,10 @@ def start_from(model: nn.Module, cfg: Any, record: RunRecord) -> None:
         dropped = ("norm.",) if isinstance(getattr(model, "norm", None), nn.Identity) else ()
         report = load_starting_weights(model, resized_position_embedding(model, weights), source, fresh=HEAD,
                                        dropped=dropped)
-        record.update(pretrained={"run": str(source), "task": task, "weights": which, **report})
+        reached = read_summary(source)["metrics"].get("final", {}) \
+            if (Path(source) / "summary.json").is_file() else {}  # the starting run's final evaluation
+        record.update(pretrained={"run": str(source), "task": task, "weights": which, **report,
+                                  "final": reached})
         log.info("backbone weights: the %s weights of %s (%s run); afresh: %s; unused: %s", which, source,
                  task, ", ".join(report["fresh"]) or "none", ", ".join(report["dropped"]) or "none")
     if not (cfg.task.head_init_std or cfg.task.linear_probe):

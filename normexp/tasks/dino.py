@@ -8,8 +8,8 @@ What the official loop does, and this task does the same way:
 * Views (:func:`dino_views`): two global crops (RandomResizedCrop at the data's size, ``task.global_scale``)
   and ``task.local_crops`` local ones (``task.local_size`` px, ``task.local_scale``), each flipped and
   colour-jittered (p 0.8: brightness 0.4, contrast 0.4, saturation 0.2, hue 0.1), made grayscale (p 0.2) and
-  blurred (radius 0.1-2: p 1.0 for the first global view, 0.1 for the second, 0.5 for the local ones); the
-  second global view is also solarized (p 0.2).
+  blurred (``task.blur_radius``, DINO's 0.1-2 px at 224 px: p 1.0 for the first global view, 0.1 for the
+  second, 0.5 for the local ones); the second global view is also solarized (p 0.2).
 * Student and teacher: the configured backbone (the normalizer in every slot of both; the teacher without
   drop path) with :class:`~normexp.models.dino.DINOHead`; the teacher starts as the student, takes no
   gradient and follows it by EMA with momentum cosine from ``task.momentum_teacher`` to 1 over the run.
@@ -63,16 +63,17 @@ BACKBONE = "backbone."
 
 # ---------------------------------------------------------------- views
 class GaussianBlur:
-    """DINO's blur: with probability ``p``, a Gaussian of radius uniform in [0.1, 2] (PIL's filter for PIL
-    images; for tensors the same sigma, a kernel of 3 sigma on each side, at most the image's size)."""
+    """DINO's blur: with probability ``p``, a Gaussian of radius uniform in ``radius`` (DINO: 0.1 to 2 px at
+    224 px; PIL's filter for PIL images, for tensors the same sigma, a kernel of 3 sigma on each side, at most
+    the image's size)."""
 
-    def __init__(self, p: float) -> None:
-        self.p = p
+    def __init__(self, p: float, radius: tuple[float, float] = (0.1, 2.0)) -> None:
+        self.p, self.radius = p, radius
 
     def __call__(self, image: Any) -> Any:
         if random.random() > self.p:
             return image
-        radius = random.uniform(0.1, 2.0)
+        radius = random.uniform(*self.radius)
         if isinstance(image, Image.Image):
             return image.filter(ImageFilter.GaussianBlur(radius=radius))
         size = min(2 * math.ceil(3 * radius) + 1, 2 * min(image.shape[-2:]) - 1)  # reflect padding fits
@@ -106,9 +107,10 @@ def dino_views(settings: Any) -> Any:
                                         antialias=True)
             return v2.Compose([crop, *flip_and_jitter, *extra, *normalize])
 
-        first = view(spec.img_size, settings.global_scale, GaussianBlur(1.0))
-        second = view(spec.img_size, settings.global_scale, GaussianBlur(0.1), Solarization(0.2))
-        local = view(settings.local_size, settings.local_scale, GaussianBlur(0.5))
+        radius = tuple(settings.blur_radius)
+        first = view(spec.img_size, settings.global_scale, GaussianBlur(1.0, radius))
+        second = view(spec.img_size, settings.global_scale, GaussianBlur(0.1, radius), Solarization(0.2))
+        local = view(settings.local_size, settings.local_scale, GaussianBlur(0.5, radius))
         return lambda image: [first(image), second(image),
                               *(local(image) for _ in range(settings.local_crops))]
     return transform

@@ -61,6 +61,26 @@ RECIPES = {
     "mask_rcnn_pvt_1x": {"task.detector": "mask_rcnn", "trainer.epochs": 12, "trainer.lr": 2e-4,
                          "trainer.weight_decay": 1e-4, "trainer.decay_milestones": [8, 11],
                          "trainer.warmup_iters": 500, "data.name": "coco"},
+    # facebookresearch/mae PRETRAIN.md, FINETUNE.md
+    "mae_pretrain": {"task.name": "mae", "task.mask_ratio": 0.75, "task.norm_pix_loss": True,
+                     "task.decoder.dim": 512, "task.decoder.depth": 8, "task.decoder.heads": 16,
+                     "trainer.epochs": 800, "trainer.lr": 1.5e-4, "trainer.lr_base_size": 256,
+                     "trainer.warmup_epochs": 40, "trainer.weight_decay": 0.05, "trainer.betas": [0.9, 0.95],
+                     "backbone.drop_path_rate": 0.0},
+    "mae_finetune": {"trainer.epochs": 100, "trainer.lr": 5e-4, "trainer.lr_base_size": 256,
+                     "trainer.layer_decay": 0.65, "trainer.warmup_epochs": 5, "trainer.min_lr": 1e-6,
+                     "trainer.mixup.mixup_alpha": 0.8, "trainer.mixup.cutmix_alpha": 1.0,
+                     "trainer.smoothing": 0.1, "data.reprob": 0.25, "backbone.global_pool": "avg",
+                     "task.head_init_std": 2e-5},
+    "mae_finetune_large": {"trainer.epochs": 50, "trainer.lr": 1e-3, "trainer.layer_decay": 0.75,
+                           "backbone.drop_path_rate": 0.2, "backbone.global_pool": "avg"},
+    # DyT's DINO commands (jiachenzhu/DyT other_tasks/DINO/README.md)
+    "dino_vitb16": {"task.name": "dino", "trainer.epochs": 400, "trainer.lr": 7.5e-4, "trainer.min_lr": 2e-6,
+                    "trainer.clip_grad": 0.3, "trainer.clip_mode": "param", "task.teacher_temp": 0.07,
+                    "task.warmup_teacher_temp": 0.04, "task.warmup_teacher_temp_epochs": 50,
+                    "task.local_crops": 10, "task.out_dim": 65536, "backbone.patch_size": 16},
+    "dino_vitb8": {"task.name": "dino", "trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.clip_grad": 3.0,
+                   "task.warmup_teacher_temp": 0.03, "backbone.patch_size": 8},
 }
 # per backbone (fnmatch), within a recipe: stochastic depth of the official configs
 DROP_PATH = {
@@ -113,10 +133,13 @@ def test_full_scale_runs_are_the_papers_recipes(plans, table):
 
 @pytest.mark.parametrize("table", list_tables())
 def test_smoke_scale_runs_on_a_laptop(plans, table):
+    """Micro members on the embedded data, 8 epochs -- the pre-training tasks their demos' (MAE 30 epochs of
+    a fast step, DINO 10)."""
     for run in plans[table, "smoke"].runs:
         assert get_path(run.config, "backbone.name").endswith(("_micro", "_micro_star")), run.overrides
         assert get_path(run.config, "data.name") in ("digits", "coco_digits")
-        assert get_path(run.config, "trainer.epochs") <= 8
+        budget = {"mae": 30, "dino": 10}.get(get_path(run.config, "task.name"), 8)
+        assert get_path(run.config, "trainer.epochs") <= budget
 
 
 @pytest.mark.parametrize("table", list_tables())

@@ -175,6 +175,7 @@ def test_a_run_monitors_knn_and_fine_tuning_starts_from_its_teacher(pretrained, 
     assert record.summary["pretrained"]["fresh"] == ["head.weight", "head.bias"]
 
 
+@pytest.mark.slow
 def test_pretraining_resumes_exactly_after_a_crash(pretrained, tmp_path, monkeypatch):
     """Teacher, centre and schedules are in the checkpoint: the resumed run is the uninterrupted one."""
     uninterrupted, _ = pretrained

@@ -194,6 +194,7 @@ def test_layer_decay_gives_each_block_the_mae_scale(tmp_path):
         assert scale_of[id(parameter)] == pytest.approx(0.65 ** (depth + 1 - layer)), name
 
 
+@pytest.mark.slow
 def test_pretraining_resumes_exactly_after_a_crash(pretrained, tmp_path, monkeypatch):
     uninterrupted, _ = pretrained
     real_epoch = Trainer.train_one_epoch
