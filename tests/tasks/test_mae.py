@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import CONFIG_DIR, compose_cfg, quick_cfg
 from omegaconf import OmegaConf
 
@@ -172,6 +173,14 @@ def test_fine_tuning_refuses_another_backbone_or_a_run_without_one(pretrained, t
     with pytest.raises(UserError, match="no checkpoint at"):
         run(quick_cfg(f"task.pretrained={tmp_path / 'nowhere'}"), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+    detection = tmp_path / "detection"  # its checkpoint holds a detector, no backbone to start from
+    detection.mkdir()
+    (detection / "config.yaml").write_text(yaml.safe_dump({
+        "task": {"name": "detection"}, "backbone": {"name": "vit_micro"}, "norm": {"name": "ln"},
+        "data": {"name": "coco_digits"}}))
+    with pytest.raises(UserError, match="is a detection run, whose checkpoint holds no backbone to start "
+                                        "from: give a run of classification, dino, mae"):
+        prepare_config(quick_cfg(f"task.pretrained={detection}"))
 
 
 def test_layer_decay_gives_each_block_the_mae_scale(tmp_path):
