@@ -49,7 +49,8 @@ POS_INITS = ("random", "local")  # the official models' effective init, or the m
 
 @register_norm("dtn")
 class DTN(nn.Module):
-    """Dynamic Token Normalization for (B, N, C) tokens, (B, H, W, C) and (B, C, H, W) maps.
+    """Dynamic Token Normalization for (B, N, C) tokens, (B, H, W, C) and (B, C, H, W) maps, and (B, C)
+    pooled vectors (one token: a 1x1 map, as ConvNeXt's pooled head norm is).
 
     The token grid comes from the input shape for maps and from ``layout.grid`` for (B, N, C) tokens
     (the stage's patch embedding sets it on every forward). ``N`` must be ``H*W`` or
@@ -217,6 +218,8 @@ class DTN(nn.Module):
                 # (B, H*W, C) views of the input and of the (B, C, H, W) output: no layout copies
                 y = normalize(self, x.permute(0, 2, 3, 1).reshape(b, h * w, c), (h, w), 0, map_size=(h, w))
                 y = y.view(b, h, w, c).permute(0, 3, 1, 2)
+            elif x.dim() == 2:  # one pooled token per image (a classifier's fc_norm), as a 1x1 map
+                y = normalize(self, x[:, None], (1, 1), 0)[:, 0]
             elif x.dim() == 4:
                 b, h, w, c = x.shape
                 y = normalize(self, x.reshape(b, h * w, c), (h, w), 0).view(b, h, w, c)
@@ -226,7 +229,8 @@ class DTN(nn.Module):
                 grid, prefix = self._grid_of_tokens(x.shape[1])
                 y = normalize(self, x, grid, prefix)
             else:
-                raise ValueError(f"DTN expects (B, N, C), (B, H, W, C) or (B, C, H, W), got {tuple(x.shape)}")
+                raise ValueError(f"DTN expects (B, N, C), (B, H, W, C), (B, C, H, W) or pooled (B, C), "
+                                 f"got {tuple(x.shape)}")
         return y.to(out_dtype)
 
     def extra_repr(self) -> str:

@@ -49,7 +49,7 @@ def small_size(name: str) -> int:
 
 def build(name: str, norm: str, **extra) -> torch.nn.Module:
     overrides = [f"backbone={name}", f"norm={norm}", f"data.img_size={small_size(name)}"]
-    overrides += [f"+backbone.{k}={v}" for k, v in extra.items()]
+    overrides += [f"++backbone.{k}={v}" for k, v in extra.items()]
     cfg = compose_cfg(*overrides)
     return build_backbone(cfg.backbone, cfg.norm)
 
@@ -107,3 +107,13 @@ def test_features(name):
         assert fmap.dim() == 4 and fmap.shape[:2] == (2, channels)
         assert fmap.shape[-1] == -(-size // stride), (name, fmap.shape, stride)
     assert model.feature_strides == sorted(model.feature_strides)
+
+
+@pytest.mark.parametrize("norm", list_norms())
+def test_every_norm_in_a_pooled_classifier_norm(norm):
+    """MAE's fine-tuning recipe pools the tokens and normalises the pooled vector (timm's ``fc_norm``)."""
+    torch.manual_seed(0)
+    model = build("vit_micro", norm, global_pool="avg")
+    if not kept_by_the_family(model, "fc_norm", norm):
+        assert type(model.fc_norm) is get_norm_class(norm)
+    forward_backward(model, small_size("vit_micro"))
