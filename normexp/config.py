@@ -286,7 +286,8 @@ def _omegaconf_type(annotation: Any) -> Any:
 
 
 def norm_schema(name: str) -> type | None:
-    """The schema of ``norm=<name>``: its options from the normalizer's constructor, plus ``placement``."""
+    """The schema of ``norm=<name>``: its options from the normalizer's constructor, plus ``placement`` and
+    ``model_defaults`` (what it suggests to the models it goes into, read by their configs)."""
     from .norms.registry import hyperparameters
 
     options = hyperparameters(name)
@@ -295,6 +296,7 @@ def norm_schema(name: str) -> type | None:
     return make_dataclass(f"Norm_{name}", [
         ("name", str, field(default="???")),
         ("placement", PlacementSchema, field(default_factory=PlacementSchema)),
+        ("model_defaults", dict[str, Any], field(default_factory=dict)),
         *[(o.name, _omegaconf_type(o.type), field(default=None if o.default is MISSING else o.default,
                                                   metadata=o.checks)) for o in options]])
 
@@ -427,12 +429,18 @@ def _trainer(values: dict[str, Any]) -> Iterator[str]:
 
 
 def _task_and_data(values: dict[str, Any]) -> Iterator[str]:
-    from .tasks import get_task
+    from .tasks import TASKS, get_task
 
     task, data = get_task(values["task"]["name"]), values["data"].get("name")
     if task.data and data not in task.data:
         yield (f"task={values['task']['name']} reads {' or '.join(f'data={d}' for d in task.data)}, "
                f"not data={data}")
+    kind = values["backbone"].get("kind", "image")
+    if kind != task.backbone_kind:
+        serving = sorted(name for name, t in TASKS.items() if t.backbone_kind == kind)
+        yield (f"backbone={values['backbone'].get('name')} is a model of kind '{kind}'"
+               f"{' (for task=' + ', '.join(serving) + ')' if serving else ''}; task={task.name} builds one "
+               f"of kind '{task.backbone_kind}'")
     metrics = task.metrics(values) if task.metrics else None
     best = values["trainer"]["best_metric"]
     if metrics is not None and best not in metrics:

@@ -30,7 +30,9 @@ def test_default_is_the_embedded_demo():
 def shipped(group: str, option: str) -> list[str]:
     """The overrides that run a shipped option with the data and task it is made for."""
     overrides = [f"{group}={option}"]
-    if group == "backbone" and not option.endswith("_micro"):
+    if group == "backbone" and option.startswith("dit_"):
+        overrides.append("task=dit")  # a diffusion model
+    elif group == "backbone" and not option.endswith("_micro"):
         overrides.append("data=imagenet")  # the published sizes take ImageNet's 224 px
     if group == "data" and option.startswith("coco"):
         overrides.append("task=detection")  # the task that reads that data

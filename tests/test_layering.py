@@ -12,7 +12,7 @@ from conftest import ROOT
 LAYERS = [
     {"__init__", "errors", "distributed", "plotting"},
     {"tracking", "metrics", "norms", "plugins"},
-    {"models", "data"},
+    {"models", "data", "diffusion"},
     {"engine"},
     {"tasks"},
     {"config"},

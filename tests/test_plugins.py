@@ -105,7 +105,7 @@ def test_a_misspelled_option_of_a_users_norm_is_one_line(user_dir):
     out = normexp(user_dir, *command(0, user_dir), "+norm.gian=2", "logger=none")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["error: unknown config key norm.gian: did you mean norm.gain? "
-                                               "norm has name, placement, gain, eps"]
+                                               "norm has name, placement, model_defaults, gain, eps"]
     assert not (user_dir / "out").exists() or records(user_dir / "out") == []
 
 

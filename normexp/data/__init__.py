@@ -18,16 +18,19 @@ CLASSIFICATION_DATA: dict[str, Callable[..., ClassificationData]] = {
 
 
 def build_classification_data(cfg, seed: int, train_transform: TrainTransform | None = None,
-                              eval_train: bool = False) -> ClassificationData:
-    """A labelled image data set's loaders: its own training transform (DeiT's for ImageNet, none for the
-    digits) or a task's (``train_transform``: pre-training views, see :class:`ImageSpec`); ``eval_train``:
-    also the training images through the evaluation transform."""
+                              eval_train: bool = False,
+                              eval_transform: TrainTransform | None = None) -> ClassificationData:
+    """A labelled image data set's loaders: its own transforms (DeiT's for ImageNet, standardisation for the
+    digits) or a task's (``train_transform``: pre-training views; ``eval_transform``: what its evaluation
+    reads, e.g. a diffusion model's [-1, 1] images; see :class:`ImageSpec`); ``eval_train``: also the
+    training images through the evaluation transform."""
     try:
         builder = CLASSIFICATION_DATA[cfg.name]
     except KeyError:
         raise UserError(f"data '{cfg.name}' has no classification loader; "
                         f"available: {', '.join(CLASSIFICATION_DATA)}") from None
-    return builder(cfg, seed, train_transform=train_transform, eval_train=eval_train)
+    return builder(cfg, seed, train_transform=train_transform, eval_train=eval_train,
+                   eval_transform=eval_transform)
 
 
 def _check_fixed_classes(cfg, found: int, what: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from .loaders import ClassificationData, ImageSpec, TrainTransform, TransformedImages, make_loader
 
@@ -42,28 +42,30 @@ def standardisation(arrays: dict[str, np.ndarray]) -> tuple[float, float]:
     return float(arrays["train_images"].mean()), float(arrays["train_images"].std())
 
 
-def build_digits(cfg, seed: int, train_transform: TrainTransform | None = None,
-                 eval_train: bool = False) -> ClassificationData:
-    """The digits' loaders; ``train_transform``: a task's own (it gets the images in [0, 1], 3 channels),
-    else the images standardised and nothing else."""
+def build_digits(cfg, seed: int, train_transform: TrainTransform | None = None, eval_train: bool = False,
+                 eval_transform: TrainTransform | None = None) -> ClassificationData:
+    """The digits' loaders; ``train_transform`` / ``eval_transform``: a task's own (they get the images in
+    [0, 1], 3 channels), else the images standardised and nothing else."""
     arrays = digits_arrays(cfg.img_size, cfg.val_fraction, cfg.split_seed)
     mean, std = standardisation(arrays)
+    spec = ImageSpec(cfg.img_size, (mean,) * 3, (std,) * 3)
 
-    def dataset(split: str) -> TensorDataset:
+    def dataset(split: str, transform: TrainTransform | None) -> Dataset:
+        labels = torch.from_numpy(arrays[f"{split}_labels"]).long()
+        if transform is not None:
+            images = torch.from_numpy(arrays[f"{split}_images"])[:, None].expand(-1, 3, -1, -1).contiguous()
+            return TransformedImages(images, labels, transform(spec))
         x = torch.from_numpy((arrays[f"{split}_images"] - mean) / std)[:, None].expand(-1, 3, -1, -1)
-        return TensorDataset(x.contiguous(), torch.from_numpy(arrays[f"{split}_labels"]).long())
+        return TensorDataset(x.contiguous(), labels)
 
-    train = dataset("train")
-    if train_transform is not None:
-        images = torch.from_numpy(arrays["train_images"])[:, None].expand(-1, 3, -1, -1).contiguous()
-        spec = ImageSpec(cfg.img_size, (mean,) * 3, (std,) * 3)
-        train = TransformedImages(images, train.tensors[1], train_transform(spec))
+    train = dataset("train", train_transform)
     return ClassificationData(
         train=make_loader(train, cfg.batch_size, True, cfg.num_workers, seed),
-        val=make_loader(dataset("val"), cfg.eval_batch_size, False, cfg.num_workers, seed),
+        val=make_loader(dataset("val", eval_transform), cfg.eval_batch_size, False, cfg.num_workers, seed),
         num_classes=NUM_CLASSES,
         img_size=cfg.img_size,
         in_chans=3,
-        train_eval=make_loader(dataset("train"), cfg.eval_batch_size, False, cfg.num_workers, seed)
+        train_eval=make_loader(dataset("train", eval_transform), cfg.eval_batch_size, False, cfg.num_workers,
+                               seed)
         if eval_train else None,
     )

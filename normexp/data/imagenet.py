@@ -88,15 +88,16 @@ def collate_readable(batch: list[Any]) -> Any:
     return default_collate(readable) if readable else None
 
 
-def build_imagenet(cfg, seed: int, train_transform: TrainTransform | None = None,
-                   eval_train: bool = False) -> ClassificationData:
-    """ImageNet's loaders; ``train_transform``: a task's own (it gets PIL images), else DeiT's."""
+def build_imagenet(cfg, seed: int, train_transform: TrainTransform | None = None, eval_train: bool = False,
+                   eval_transform: TrainTransform | None = None) -> ClassificationData:
+    """ImageNet's loaders; ``train_transform`` / ``eval_transform``: a task's own (they get PIL images),
+    else DeiT's."""
     check_imagefolder_root(cfg.root, (cfg.train_split, cfg.val_split), cfg.num_classes)
     root = Path(cfg.root)
     on_bad = cfg.get("on_bad_image", "skip")
-    training = train_transform(ImageSpec(cfg.img_size, tuple(cfg.mean), tuple(cfg.std))) \
-        if train_transform is not None else build_transforms(cfg, is_training=True)
-    evaluation = build_transforms(cfg, is_training=False)
+    spec = ImageSpec(cfg.img_size, tuple(cfg.mean), tuple(cfg.std))
+    training = build_transforms(cfg, is_training=True) if train_transform is None else train_transform(spec)
+    evaluation = build_transforms(cfg, is_training=False) if eval_transform is None else eval_transform(spec)
     train = SafeImageFolder(root / cfg.train_split, training, on_bad, replace=True)
     val = SafeImageFolder(root / cfg.val_split, evaluation, on_bad)
     pin = cfg.get("pin_memory", True)

@@ -23,6 +23,7 @@ def norm_settings(norm_cfg: DictConfig | dict) -> tuple[str, dict[str, Any], dic
     cfg = as_dict(norm_cfg)
     name = cfg.pop("name")
     placement = cfg.pop("placement", None) or {}
+    cfg.pop("model_defaults", None)  # suggestions read by the backbone configs through interpolation
     return name, cfg, placement
 
 
@@ -34,6 +35,7 @@ def backbone_arguments(backbone_cfg: DictConfig | dict, dense: bool = False) -> 
     # suggestions read by the norm and trainer configs through interpolation, not by the model
     kwargs.pop("norm_defaults", None)
     kwargs.pop("trainer_defaults", None)
+    kwargs.pop("kind", None)  # what the model is (an image backbone, a diffusion model): the tasks' check
     dense_kwargs = kwargs.pop("dense", None) or {}
     if dense:
         kwargs.update(dense_kwargs)

@@ -32,6 +32,27 @@ def slot_shape(module: nn.Module) -> tuple[int, str]:
     raise TypeError(f"{type(module).__name__} is not a norm slot")
 
 
+def slot_affine(module: nn.Module) -> bool:
+    """Whether a norm slot was built with a learnable per-channel affine (DiT's LayerNorms are not)."""
+    return bool(getattr(module, "elementwise_affine", getattr(module, "affine", True)))
+
+
+def fix_affine(layer: nn.Module, dim: int) -> nn.Module:
+    """``layer`` without a learnable affine: the per-channel ``weight`` (1-D, ``dim`` long) and ``bias`` of
+    each of its modules become fixed non-persistent buffers at their initial values (ones and zeros: the
+    identity), so every normalizer's own code -- fused kernels included -- runs unchanged, and its other
+    parameters (DyT's alpha, DTN's position projection) still learn. DyT becomes ``tanh(alpha x)``."""
+    for module in layer.modules():
+        weight = module._parameters.get("weight")
+        if weight is None or weight.dim() != 1 or weight.numel() != dim:
+            continue
+        for name in ("weight", "bias"):
+            value = module._parameters.pop(name, None)
+            if value is not None:
+                module.register_buffer(name, value.detach().clone(), persistent=False)
+    return layer
+
+
 def norm_slots(model: nn.Module) -> list[str]:
     """Names of the norm slots of ``model``, in module order."""
     return [name for name, m in model.named_modules() if isinstance(m, SLOT_TYPES)]
@@ -54,6 +75,7 @@ def replace_norms(
     such as its block index, its block's head count or its stage's token layout. A slot whose context says
     ``pooled`` (it normalises one pooled vector per image) also keeps its layer when the normalizer takes
     statistics over tokens (``norm_layer.token_statistics``): over a single token they are undefined.
+    A slot built without a learnable affine gets the normalizer without one (:func:`fix_affine`).
     """
     keep = [*keep, *getattr(model, "norm_keep", ())]
     if context_fn is None:
@@ -70,7 +92,9 @@ def replace_norms(
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        dim, data_format = slot_shape(getattr(parent, attr))
-        setattr(parent, attr, norm_layer(dim, data_format=data_format, **context))
+        slot = getattr(parent, attr)
+        dim, data_format = slot_shape(slot)
+        layer = norm_layer(dim, data_format=data_format, **context)
+        setattr(parent, attr, layer if slot_affine(slot) else fix_affine(layer, dim))
         replaced.append(name)
     return replaced

@@ -40,7 +40,8 @@ class Task:
     the config key that names the run it starts from, if any. ``backbone_weights(state, ema)``: the
     backbone's weights in a checkpoint of one of its runs (None: its checkpoints hold no backbone a run can
     start from or ``normexp analyze`` can rebuild). ``settings(values)``: its own settings a table's dry run
-    prints.
+    prints. ``backbone_kind``: the kind of model it builds from ``backbone`` (the backbone config's ``kind``;
+    absent: an image backbone).
     """
 
     name: str
@@ -53,6 +54,7 @@ class Task:
     starts_from: str | None = None
     backbone_weights: Callable[[dict[str, Any], bool | None], tuple[dict[str, Any], str]] | None = None
     settings: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    backbone_kind: str = "image"
 
 
 TASKS: dict[str, Task] = {}

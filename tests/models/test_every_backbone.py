@@ -20,7 +20,9 @@ from normexp.models.base import Backbone, NormContext
 from normexp.norms import get_norm_class, list_norms
 from normexp.norms.placement import norm_slots
 
-BACKBONES = sorted(p.stem for p in (Path(CONFIG_DIR) / "backbone").glob("*.yaml"))
+# the image backbones (DiT, the diffusion model of task=dit, has its own tests: test_dit.py)
+BACKBONES = sorted(p.stem for p in (Path(CONFIG_DIR) / "backbone").glob("*.yaml")
+                   if not p.stem.startswith("dit_"))
 FAST = {"vit_tiny", "swin_tiny", "pvt_tiny", "pvt_v2_b0", "levit_128s", "t2t_vit_7"}  # ConvNeXt: micro only
 HEAVY = {"vit_large", "convnext_base", "convnext_large"}
 PAPERS_NORMS = {"ln", "dtn", "dyt"}

@@ -1,6 +1,7 @@
-"""The pre-training tasks as processes: killed with SIGKILL mid-epoch, the same command continues the run to
-the numbers of an uninterrupted one (a DINO teacher and centre, the schedules, the RNG states included);
-two torchrun processes write one record."""
+"""The pre-training and generative tasks as processes: killed with SIGKILL mid-epoch (DiT: also while it
+samples), the same command continues the run to the numbers of an uninterrupted one (a DINO teacher and
+centre, the schedules, the RNG states, DiT's sample shards included); two torchrun processes write one
+record."""
 
 from __future__ import annotations
 
@@ -25,16 +26,19 @@ TASKS = {
     "mae": ["task=mae", "norm=dtn"],  # DTN on the visible tokens, in the decoder on the full grid
     "dino": ["task=dino", "norm=dyt", "task.local_crops=2", "task.local_size=4", "task.out_dim=64",
              "task.hidden_dim=32", "task.bottleneck_dim=16"],
+    # its samples scored too: the same fd_digits after a kill
+    "dit": ["task=dit", "norm=dyt", "task.fid.samples=40", "task.fid.batch_size=10",
+            "task.sampling_steps=10"],
 }
 ENV = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
 
 
-def command(task: str, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "normexp", *COMMON, *TASKS[task], f"hydra.run.dir={run_dir}"]
+def command(task: str, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "normexp", *COMMON, *TASKS[task], *extra, f"hydra.run.dir={run_dir}"]
 
 
-def finish(task: str, run_dir: Path) -> dict:
-    done = subprocess.run(command(task, run_dir), cwd=ROOT, env=ENV, capture_output=True, text=True,
+def finish(task: str, run_dir: Path, *extra: str) -> dict:
+    done = subprocess.run(command(task, run_dir, *extra), cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return read_summary(run_dir)
@@ -75,3 +79,26 @@ def test_two_torchrun_processes_write_one_record(tmp_path, task):
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["global_batch"] == 32
     assert [p.parent for p in tmp_path.rglob("summary.json")] == [run_dir]
+
+
+def test_sigkill_while_dit_samples_then_the_same_command(tmp_path):
+    """No sample made twice or skipped: the shards finished before the kill are kept as they are, the
+    others made, and the scores are an uninterrupted run's."""
+    slower = ["task.fid.samples=120", "task.sampling_steps=50"]
+    reference = finish("dit", tmp_path / "uninterrupted", *slower)
+    run_dir = tmp_path / "killed"
+    process = subprocess.Popen(command("dit", run_dir, *slower), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    shards = run_dir / "shards"
+    deadline = time.time() + 600
+    while time.time() < deadline and len(list(shards.glob("shard-*.npz"))) < 3:
+        assert process.poll() is None, "the run ended before it was killed"
+        time.sleep(0.05)
+    process.kill()
+    process.wait()
+    kept = {p.name: p.stat().st_mtime_ns for p in shards.glob("shard-*.npz")}
+    assert 3 <= len(kept) < 12
+    resumed = finish("dit", run_dir, *slower)
+    assert resumed["metrics"] == reference["metrics"]
+    assert all(p.stat().st_mtime_ns == kept[p.name] for p in shards.glob("shard-*.npz") if p.name in kept)
+    assert len(list(shards.glob("shard-*.npz"))) == 12 and not list(shards.glob(".*"))

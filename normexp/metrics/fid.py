@@ -1,0 +1,75 @@
+"""Frechet distance and Inception Score of generated images from their features (Heusel et al. 2017, arXiv
+1706.08500; Salimans et al. 2016, arXiv 1606.03498), through torch-fidelity's implementations
+(``metric_fid.fid_statistics_to_metric``: the trace of the covariance product's square root from its
+eigenvalues; ``metric_isc.isc_features_to_metric``: 10 splits). Statistics are float64, as ADM's evaluator and
+its reference batches (``VIRTUAL_imagenet256_labeled.npz``: ``mu``, ``sigma``) keep them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import UserError
+
+
+def statistics(features: np.ndarray) -> dict[str, np.ndarray]:
+    """Mean and (unbiased) covariance of (N, D) features, float64."""
+    features = np.asarray(features, dtype=np.float64)
+    if features.ndim != 2 or len(features) < 2:
+        raise ValueError(f"need (N >= 2, D) features, got shape {features.shape}")
+    return {"mu": features.mean(axis=0), "sigma": np.cov(features, rowvar=False)}
+
+
+def frechet_distance(first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> float:
+    """||mu1 - mu2||^2 + tr(S1 + S2 - 2 (S1 S2)^(1/2)) of two feature statistics."""
+    from torch_fidelity.metric_fid import KEY_METRIC_FID, fid_statistics_to_metric
+
+    as64 = [{k: np.asarray(s[k], dtype=np.float64) for k in ("mu", "sigma")} for s in (first, second)]
+    if as64[0]["mu"].shape != as64[1]["mu"].shape:
+        raise UserError(f"feature statistics of different sizes: {as64[0]['mu'].shape[0]} and "
+                        f"{as64[1]['mu'].shape[0]} features")
+    return float(fid_statistics_to_metric(as64[0], as64[1], verbose=False)[KEY_METRIC_FID])
+
+
+def inception_score(logits: np.ndarray, splits: int = 10) -> tuple[float, float]:
+    """Inception Score (mean, std over ``splits`` consecutive splits, unshuffled as ADM's evaluator splits)
+    of (N, classes) logits, by torch-fidelity's ``isc_features_to_metric``."""
+    import torch
+    from torch_fidelity.metric_isc import KEY_METRIC_ISC_MEAN, KEY_METRIC_ISC_STD, isc_features_to_metric
+
+    out = isc_features_to_metric(torch.as_tensor(logits, dtype=torch.float64), splits=splits, shuffle=False)
+    return float(out[KEY_METRIC_ISC_MEAN]), float(out[KEY_METRIC_ISC_STD])
+
+
+def load_reference(path: str | Path, resolution: int, features: int) -> dict[str, Any]:
+    """Reference statistics from an ``.npz``: ADM's reference batches (``mu``, ``sigma``, and the reference
+    images ``arr_0`` that tell their resolution) or the suite's own (``mu``, ``sigma``, ``resolution``). One
+    line when the file is missing, unreadable, or of another resolution or feature size than ours."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"reference statistics {path} do not exist: give ADM's reference batch (e.g. "
+                        "VIRTUAL_imagenet256_labeled.npz) or an ImageFolder to compute them from")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            if "mu" not in npz or "sigma" not in npz:
+                raise UserError(f"{path} holds no 'mu' and 'sigma' (found {sorted(npz.files)}): not "
+                                "reference statistics")
+            stats: dict[str, Any] = {"mu": npz["mu"], "sigma": npz["sigma"]}
+            if "resolution" in npz:
+                found = int(npz["resolution"])
+            elif "arr_0" in npz:
+                found = int(npz["arr_0"].shape[1])  # ADM's reference batches: (N, H, W, 3) uint8 images
+            else:
+                raise UserError(f"{path} does not say its resolution (no 'arr_0' images, no 'resolution')")
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read reference statistics {path}: {e}") from None
+    if found != resolution:
+        raise UserError(f"reference statistics {path} are of {found} px images, the samples of "
+                        f"{resolution} px: use a reference of {resolution} px "
+                        f"(ADM: VIRTUAL_imagenet{resolution}_labeled.npz)")
+    if stats["mu"].shape != (features,):
+        raise UserError(f"reference statistics {path} have {stats['mu'].shape[0]} features, ours {features}")
+    return stats

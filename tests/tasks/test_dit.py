@@ -1,0 +1,197 @@
+"""task=dit: a DiT run on the digits (training, class-balanced sampling in shards, the digits stand-in's
+Frechet distance), sampling that continues from its finished shards, scoring a finished run on its own, the
+Frechet distance and Inception Score against their formulas, ADM's crop, the VAE's latents, and bad input in
+one line. Killed processes: tests/tasks/test_pretraining_processes.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from conftest import quick_cfg
+from omegaconf import open_dict
+from PIL import Image
+
+from normexp.data.loaders import default_cache_dir
+from normexp.errors import UserError
+from normexp.metrics.fid import frechet_distance, inception_score, load_reference, statistics
+from normexp.models.features import DigitsFeatures, as_uint8
+from normexp.models.vae import LatentCodec, random_sd_vae
+from normexp.run import run
+from normexp.tasks import dit as dit_task
+from normexp.tracking.records import read_config, read_metrics
+
+
+def dit_cfg(*overrides: str, epochs: int = 2):
+    """The DiT demo at the digits' 8 px (16 tokens), 40 samples in two shards of 10-step sampling."""
+    return quick_cfg("task=dit", "task.fid.samples=40", "task.fid.batch_size=20", "task.sampling_steps=10",
+                     "task.grid_per_class=2", *overrides, epochs=epochs)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A two-epoch DiT run with DyT (DyT's recipe: no zero-init): (its summary, its directory)."""
+    run_dir = tmp_path_factory.mktemp("dit") / "run"
+    return run(dit_cfg("norm=dyt"), run_dir), run_dir
+
+
+# ---------------------------------------------------------------- a run
+def test_a_run_trains_samples_and_scores_its_ema_model(trained):
+    summary, run_dir = trained
+    assert summary["status"] == "completed"
+    assert read_config(run_dir)["backbone"]["zero_init"] == "none"  # DyT's recipe, suggested by norm=dyt
+    reported = summary["metrics"]["reported"]
+    assert reported["weights"] == "ema" and set(reported) >= {"loss", "fd_digits", "class_top1"}
+    assert reported["fd_digits"] > 0 and 0 <= reported["class_top1"] <= 100
+    assert summary["metrics"]["final"]["ema/val/fd_digits"] == reported["fd_digits"]
+    assert "fid" not in reported  # the stand-in is never called FID
+    assert [r["epoch"] for r in read_metrics(run_dir) if "val/loss" in r] == [1, 2]
+    assert sorted(p.name for p in (run_dir / "shards").iterdir()) == ["shard-00000.npz", "shard-00001.npz"]
+    shard = np.load(run_dir / "shards" / "shard-00001.npz")
+    assert shard["labels"].tolist() == [i % 10 for i in range(20, 40)]  # class-balanced
+    assert shard["features"].shape == (20, DigitsFeatures.dims) and "samples" not in shard.files
+    assert (run_dir / "samples" / "epoch_0002.png").is_file()
+
+
+def test_sampling_continues_from_its_finished_shards(trained, tmp_path, monkeypatch):
+    """A job killed after its first shard: the next one makes only the second, the same numbers."""
+    summary, run_dir = trained
+    cfg = dit_cfg("norm=dyt")
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    shutil.copy(run_dir / "shards" / "shard-00000.npz", folder)
+    (folder / ".shard-00001.npz.123.npz").write_bytes(b"half a shard")  # a writer killed mid-write
+    model = dit_task.build_dit(cfg)
+    model.load_state_dict(torch.load(run_dir / "checkpoint.pth", weights_only=True)["ema"])
+    made = []
+    sampler = dit_task.Sampler(model, cfg.task, 10, (3, 8, 8), None, torch.device("cpu"), cfg.seed)
+    real = sampler.images
+    monkeypatch.setattr(sampler, "images", lambda labels, stream: made.append(stream) or real(labels, stream))
+    extractor = dit_task.digits_features(cfg.data, default_cache_dir("feature_nets")).requires_grad_(False)
+    paths = dit_task.generate_shards(sampler, extractor, folder, cfg.task.fid)
+    assert made == [1] and not list(folder.glob(".*"))
+    original = np.load(run_dir / "shards" / paths[1].name)["features"]
+    np.testing.assert_array_equal(np.load(paths[1])["features"], original)
+
+
+def test_a_finished_run_is_scored_on_its_own_to_the_same_numbers(trained, tmp_path):
+    summary, run_dir = trained
+    scored = run(dit_cfg(f"task.checkpoint={run_dir}"), tmp_path / "scored")
+    assert scored["status"] == "completed"
+    assert read_config(tmp_path / "scored")["norm"]["name"] == "dyt"  # the checkpoint's, not the configured
+    for key in ("fd_digits", "class_top1"):
+        assert scored["metrics"]["reported"][key] == summary["metrics"]["reported"][key]
+
+
+# ---------------------------------------------------------------- the metrics
+def test_frechet_distance_is_zero_for_identical_features_and_the_closed_form_for_two_gaussians():
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(500, 8))
+    assert abs(frechet_distance(statistics(features), statistics(features))) < 1e-9
+    a, b = rng.normal(size=(8, 8)), rng.normal(size=(8, 8))
+    first = {"mu": rng.normal(size=8), "sigma": a @ a.T + np.eye(8)}
+    second = {"mu": rng.normal(size=8), "sigma": b @ b.T + np.eye(8)}
+    root = scipy.linalg.sqrtm(first["sigma"] @ second["sigma"]).real
+    closed = float(((first["mu"] - second["mu"]) ** 2).sum()
+                   + np.trace(first["sigma"] + second["sigma"] - 2 * root))
+    assert frechet_distance(first, second) == pytest.approx(closed, rel=1e-6)
+
+
+def test_statistics_are_the_mean_and_unbiased_covariance():
+    features = np.array([[0.0, 1.0], [2.0, 3.0], [4.0, 8.0]])
+    stats = statistics(features)
+    np.testing.assert_allclose(stats["mu"], [2.0, 4.0])
+    np.testing.assert_allclose(stats["sigma"], np.cov(features.T))
+
+
+def test_inception_score_of_confident_uniform_classes_is_their_count():
+    logits = np.full((1000, 4), -30.0)
+    logits[np.arange(1000), np.arange(1000) % 4] = 30.0  # certain of one class each, classes balanced
+    mean, std = inception_score(logits, splits=10)
+    assert mean == pytest.approx(4.0, rel=1e-4) and std < 1e-4
+    assert inception_score(np.zeros((100, 4)), splits=2)[0] == pytest.approx(1.0)
+    logits = np.random.default_rng(0).normal(size=(200, 5)) * 3
+    p = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    scores = [np.exp((s * np.log(s / s.mean(0))).sum(1).mean()) for s in (p[:100], p[100:])]
+    assert inception_score(logits, splits=2) == pytest.approx((np.mean(scores), np.std(scores)), rel=1e-9)
+
+
+def test_reference_statistics_of_another_resolution_or_size_are_one_line(tmp_path):
+    adm = tmp_path / "VIRTUAL_imagenet64_labeled.npz"
+    np.savez(adm, arr_0=np.zeros((2, 64, 64, 3), np.uint8), mu=np.zeros(2048), sigma=np.eye(2048))
+    assert load_reference(adm, 64, 2048)["mu"].shape == (2048,)
+    with pytest.raises(UserError, match="are of 64 px images, the samples of 256 px") as error:
+        load_reference(adm, 256, 2048)
+    assert "\n" not in str(error.value)
+    with pytest.raises(UserError, match="have 2048 features, ours 64"):
+        load_reference(adm, 64, 64)
+    np.savez(tmp_path / "other.npz", x=np.zeros(3))
+    with pytest.raises(UserError, match="not reference statistics"):
+        load_reference(tmp_path / "other.npz", 64, 2048)
+
+
+# ---------------------------------------------------------------- data and latents
+def test_adms_centre_crop():
+    image = Image.new("RGB", (300, 200), (0, 0, 0))
+    image.paste((255, 0, 0), (140, 90, 160, 110))  # a red square at the centre
+    crop = dit_task.center_crop_arr(image, 32)  # box-halved to 150x100, bicubic to 48x32, centre 32x32
+    assert crop.size == (32, 32)
+    pixels = np.asarray(crop)
+    assert pixels[16, 16, 0] > 200 and pixels[0, 0, 0] < 10
+
+
+def test_as_uint8_is_dits_quantisation():
+    assert as_uint8(torch.tensor([-1.0, 0.0, 1.0, 2.0])).tolist() == [0, 128, 255, 255]
+
+
+def test_a_random_weight_sd_vae_round_trips_shapes():
+    """The SD VAE's layout (four blocks: 8x down, 4 latent channels) at small widths; no download."""
+    torch.manual_seed(0)
+    codec = LatentCodec(random_sd_vae(block_out_channels=(8, 16, 16, 16), norm_num_groups=8))
+    latents = codec.encode(torch.rand(2, 3, 32, 32) * 2 - 1)
+    assert latents.shape == (2, 4, 4, 4)
+    assert codec.decode(latents).shape == (2, 3, 32, 32)
+
+
+def test_a_latent_run_denoises_the_vaes_latents(tmp_path):
+    torch.manual_seed(0)
+    random_sd_vae(block_out_channels=(8, 16, 16, 16), norm_num_groups=8).save_pretrained(tmp_path / "vae")
+    cfg = dit_cfg(f"task.vae={tmp_path / 'vae'}", "data.img_size=16", "task.fid.samples=10",
+                  "task.fid.batch_size=10", epochs=1)
+    summary = run(cfg, tmp_path / "run")
+    assert summary["status"] == "completed"
+    backbone = read_config(tmp_path / "run")["backbone"]
+    assert backbone["input_size"] == 2 and backbone["in_chans"] == 4
+    assert summary["metrics"]["reported"]["fd_digits"] > 0
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("overrides,message", [
+    (["task.vae=/nowhere/vae"], "task.vae=/nowhere/vae: no diffusers AutoencoderKL there"),
+    (["task.fid.features=inception", "task.fid.inception_weights=/nowhere/w.pth"],
+     "task.fid.inception_weights=/nowhere/w.pth does not exist"),
+    (["data.num_classes=5"], "data.num_classes=5, but data=digits has 10 classes"),
+    (["task.sampling_steps=2000"], "task.sampling_steps=2000: cannot take 2000 steps"),
+    (["backbone=vit_micro"], "backbone=vit_micro is a model of kind 'image'"),
+    (["task.vae=/nowhere/vae", "data.img_size=12"], "data.img_size=12: the VAE needs a multiple of 8"),
+    (["task.checkpoint=/nowhere/run"], "no checkpoint at"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, overrides, message):
+    with pytest.raises(UserError) as error:
+        run(dit_cfg(*overrides), tmp_path / "run")
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_reference_of_the_wrong_resolution_stops_before_training(tmp_path):
+    reference = tmp_path / "ref.npz"
+    np.savez(reference, mu=np.zeros(64), sigma=np.eye(64), resolution=32)
+    cfg = dit_cfg(f"task.fid.reference={reference}")
+    with open_dict(cfg):
+        cfg.trainer.epochs = 1
+    with pytest.raises(UserError, match="are of 32 px images, the samples of 8 px"):
+        run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
