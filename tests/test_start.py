@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import quick_cfg
+from conftest import compose_cfg, quick_cfg
 from omegaconf import OmegaConf
 
 from normexp.engine.trainer import Trainer
@@ -291,3 +291,12 @@ def test_json_is_written_through_a_synced_temporary_of_its_own(tmp_path, monkeyp
     assert len(synced) >= 4  # the file, then the directory, twice
     assert len(set(renamed)) == 2 and all(p.name != "summary.json.tmp" for p in renamed)
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_normalizers_model_defaults_are_not_part_of_a_runs_identity():
+    """norm.model_defaults only suggests model settings (DiT's zero_init, where its effect is kept): a DyT
+    run made before the key existed is the same run."""
+    config = OmegaConf.to_container(compose_cfg("norm=dyt"), resolve=True)
+    assert config["norm"]["model_defaults"] == {"zero_init": "none"}
+    before = {**config, "norm": {k: v for k, v in config["norm"].items() if k != "model_defaults"}}
+    assert config_hash(config) == config_hash(before)

@@ -22,7 +22,10 @@ PACKAGES = ("torch", "torchvision", "timm", "hydra-core", "omegaconf", "wandb", 
 # Config keys that do not change what a run computes; left out of its identity. ``table`` says which table
 # and row a run serves: the same run can serve several (e.g. a baseline shared by two tables). ``plugins``
 # says where a normalizer's code comes from, not what it is (its name and options are the identity).
-NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress", "trainer.resume")
+# norm.model_defaults: what a normalizer suggests to models; its effect is in the model's own keys
+# (backbone.zero_init), and runs of models that read none are the same runs with or without it
+NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress", "trainer.resume",
+                     "norm.model_defaults")
 
 
 def seed_everything(seed: int) -> None:
