@@ -90,6 +90,8 @@ bench: install
 		--rounds 3 --trainer-steps 3 --out results/bench/train.md
 	$(PY) scripts/bench_pretrain.py --backbone vit_base --norms ln dyt dtn --batch 4 --local-crops 10 \
 		--warmup 1 --steps 2 --rounds 2 --out results/bench/pretrain.md
+	$(PY) scripts/bench_dit.py --backbone dit_b4 --norms ln dyt dtn --batch 4 --input-size 16 --warmup 1 \
+		--steps 3 --rounds 3 --out results/bench/dit.md
 
 clean-runs:
 	rm -rf outputs multirun

@@ -17,7 +17,8 @@ Sections (each writes ``<out>/<section>*.md`` with the machine, GPU, driver, ver
 * ``steps`` -- ``scripts/bench_train.py``: ViT-S/16 at 224 px, bf16 autocast, timm's
   ``vit_small_patch16_224`` vs ours with LN, DyT, DTN (every slot) and the DTN code's layout, in interleaved
   rounds; at batch 64 with ``torch.compile`` off and on, and at the largest batch that fits (estimated from
-  the measured peak memory at batch 64) for the throughput line.
+  the measured peak memory at batch 64) for the throughput line; then DiT-B/4's step on 256 px latents
+  (``scripts/bench_dit.py``), fp32 and bf16, with LN, DyT and DTN.
 * ``layers`` -- ``scripts/bench_norms.py`` on the device: every normalizer at ViT-S/B token shapes against
   LN and the memory-bound floor, forward+backward, float32 and bfloat16.
 * ``run`` -- ``python -m normexp`` through ``torchrun --nproc_per_node=<gpus>`` (NCCL on GPUs): the DeiT
@@ -331,6 +332,16 @@ def check_steps(device: torch.device, dry_run: bool, work: Path, timeout: float)
             section.lines += [f"## batch {largest} (the largest that fits: 3/4 of the free memory over the "
                               f"largest peak step memory at batch {batch}), torch.compile off", "",
                               *embed(out)]
+    # DiT's step (task=dit): DiT-B/4 on 256 px latents, fp32 as DiT trains, and bf16
+    dit = (["--backbone", "dit_micro", "--batch", "2", "--input-size", "8", "--warmup", "1", "--steps", "1",
+            "--rounds", "1"] if dry_run else
+           ["--backbone", "dit_b4", "--batch", "64", "--input-size", "32", "--warmup", "3", "--steps", "5",
+            "--rounds", "3"])
+    for amp in ([], ["--amp", "bf16"]):
+        out = work / f"dit{'_' + amp[1] if amp else ''}.md"
+        run_logged([sys.executable, str(ROOT / "scripts" / "bench_dit.py"), *dit, *amp, "--device",
+                    str(device), "--out", str(out)], section, timeout)
+        section.lines += [f"## DiT step, {amp[1] if amp else 'fp32'}", "", *embed(out)]
     return section
 
 

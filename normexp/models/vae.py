@@ -55,6 +55,18 @@ class LatentCodec(nn.Module):
         return self.vae.encode(images).latent_dist.sample(generator) * self.scale
 
     @torch.no_grad()
+    def moments(self, images: torch.Tensor) -> torch.Tensor:
+        """The posterior's parameters (mean and log-variance, 2 x 4 channels): what a latent cache keeps."""
+        return self.vae.encode(images).latent_dist.parameters
+
+    @torch.no_grad()
+    def sample(self, moments: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """A scaled latent drawn from the posterior with parameters ``moments``."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        return DiagonalGaussianDistribution(moments).sample(generator) * self.scale
+
+    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return self.vae.decode(latents / self.scale).sample
 

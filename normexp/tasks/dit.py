@@ -5,7 +5,8 @@ then sample it and score the samples.
 - Data: ADM's preprocessing (``center_crop_arr``: box-halve while the short side is at least twice the size,
   bicubic to the size, centre crop), a flip (``task.hflip``), pixels in [-1, 1]. With ``task.vae`` the model
   denoises the VAE's latents (encoded per batch, the posterior sampled, x 0.18215: DiT's pipeline); without,
-  the pixels themselves (the digits demo).
+  the pixels themselves (the digits demo). ``task.latent_cache``: the latents encoded once and read from
+  disk (:mod:`normexp.tasks.latent_cache`).
 - Training: ADM's hybrid loss at uniformly drawn steps (:mod:`normexp.diffusion`), the label dropped to the
   null class 10 % of the time; the optimizer, EMA and length are the trainer's (``experiment=dit_imagenet``:
   AdamW, wd 0, no schedule, EMA 0.9999). Each evaluation reports the loss on the validation images at fixed
@@ -25,6 +26,7 @@ then sample it and score the samples.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -44,7 +46,7 @@ from torchvision.transforms import v2
 from .. import distributed
 from ..data import ImageSpec, build_classification_data
 from ..data.digits import digits_arrays
-from ..data.loaders import default_cache_dir
+from ..data.loaders import default_cache_dir, make_loader
 from ..diffusion import GaussianDiffusion, guided, spaced_steps
 from ..engine.alpha_probe import alpha_probe
 from ..engine.checkpoint import checkpoint_run_config, load_checkpoint, load_model_state, reported_weights
@@ -63,6 +65,7 @@ from ..models.stats import count_params
 from ..models.vae import CHANNELS, DOWNSAMPLE, LatentCodec, check_vae
 from ..tracking.records import RunRecord
 from . import Task, evaluated, register_task
+from .latent_cache import CachedLatents, cache_folder, encode_dataset
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,10 @@ def check_dit(cfg: Any) -> None:
         raise UserError("task.fid.samples must be at least 2 and task.fid.batch_size at least 1")
     if latent(cfg):
         check_vae(str(task.vae))
+    elif task.latent_cache:
+        raise UserError("task.latent_cache keeps the VAE's latents: set task.vae too (pixel space has none)")
+    if task.latent_cache_shard < 1:
+        raise UserError(f"task.latent_cache_shard={task.latent_cache_shard}: images per shard, at least 1")
     if feature_kind(cfg) == "inception":
         check_inception_weights(task.fid.inception_weights)
     reference = task.fid.reference
@@ -180,7 +187,12 @@ class DiTTrainer(Trainer):
         self.codec = codec.to(self.device) if codec is not None else None
 
     def to_model_space(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        return self.codec.encode(images, generator) if self.codec is not None else images
+        """Pixels as they are; images encoded by the VAE; a latent cache's posterior parameters sampled."""
+        if self.codec is None:
+            return images
+        if images.shape[1] == 2 * CHANNELS:
+            return self.codec.sample(images, generator)
+        return self.codec.encode(images, generator)
 
     def compute_loss(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.to_model_space(images)
@@ -431,6 +443,18 @@ def sample_and_score(cfg: Any, model: nn.Module, codec: LatentCodec | None, reco
     return distributed.broadcast_object(metrics)
 
 
+def with_latent_cache(cfg: Any, data: Any, codec: LatentCodec) -> Any:
+    """``data`` training on the cached latents of its training images (encoded first where missing)."""
+    images = build_classification_data(cfg.data, cfg.seed, train_transform=dit_views(0.0)).train.dataset
+    folder, identity = cache_folder(cfg, images)
+    device = resolve_device(cfg.trainer.device, distributed.info().local_rank)
+    paths = encode_dataset(images, codec.to(device), folder, identity, cfg.task.latent_cache_shard,
+                           cfg.data.eval_batch_size, device)
+    train = make_loader(CachedLatents(paths, cfg.task.hflip), cfg.data.batch_size, True, cfg.data.num_workers,
+                        cfg.seed)
+    return dataclasses.replace(data, train=train)
+
+
 # ---------------------------------------------------------------- the task
 def run_dit(cfg: Any, record: RunRecord) -> dict[str, Any]:
     model = build_dit(cfg)
@@ -449,6 +473,8 @@ def run_dit(cfg: Any, record: RunRecord) -> dict[str, Any]:
         return metrics
     views = dit_views(cfg.task.hflip)
     data = build_classification_data(cfg.data, cfg.seed, train_transform=views, eval_transform=dit_views(0.0))
+    if cfg.task.latent_cache:
+        data = with_latent_cache(cfg, data, codec)
     diffusion = GaussianDiffusion.create(cfg.task.diffusion_steps)
     trainer = DiTTrainer(cfg.trainer, model, data, record, diffusion, codec, cfg.seed)
     metrics = trainer.fit()

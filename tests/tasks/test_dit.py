@@ -5,6 +5,7 @@ one line. Killed processes: tests/tasks/test_pretraining_processes.py."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -156,16 +157,34 @@ def test_a_random_weight_sd_vae_round_trips_shapes():
     assert codec.decode(latents).shape == (2, 3, 32, 32)
 
 
-def test_a_latent_run_denoises_the_vaes_latents(tmp_path):
+def test_a_latent_run_denoises_the_vaes_latents_from_a_cache_encoded_once(tmp_path):
     torch.manual_seed(0)
     random_sd_vae(block_out_channels=(8, 16, 16, 16), norm_num_groups=8).save_pretrained(tmp_path / "vae")
-    cfg = dit_cfg(f"task.vae={tmp_path / 'vae'}", "data.img_size=16", "task.fid.samples=10",
-                  "task.fid.batch_size=10", epochs=1)
-    summary = run(cfg, tmp_path / "run")
+    cache = tmp_path / "cache"
+    overrides = [f"task.vae={tmp_path / 'vae'}", "data.img_size=16", "task.fid.samples=10",
+                 "task.fid.batch_size=10", f"task.latent_cache={cache}", "task.latent_cache_shard=500",
+                 "task.hflip=0.5"]
+    summary = run(dit_cfg(*overrides, epochs=1), tmp_path / "run")
     assert summary["status"] == "completed"
     backbone = read_config(tmp_path / "run")["backbone"]
     assert backbone["input_size"] == 2 and backbone["in_chans"] == 4
     assert summary["metrics"]["reported"]["fd_digits"] > 0
+    (folder,) = cache.iterdir()
+    shards = sorted(folder.glob("shard-*.npz"))
+    assert len(shards) == 3  # 1,437 training images in shards of 500
+    first = np.load(shards[0])
+    assert first["moments"].shape == (500, 8, 2, 2) and first["mirrored"].shape == (500, 8, 2, 2)
+    assert first["moments"].dtype == np.float16
+    # an encoding killed after its first shards continues with the missing one only; a second run reads it
+    shards[2].unlink()
+    times = {p.name: p.stat().st_mtime_ns for p in shards[:2]}
+    assert run(dit_cfg(*overrides, "seed=1", epochs=1), tmp_path / "again")["status"] == "completed"
+    assert {p.name: p.stat().st_mtime_ns for p in sorted(folder.glob("shard-*.npz"))[:2]} == times
+    assert len(list(folder.glob("shard-*.npz"))) == 3
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "img_size": 32}))
+    with pytest.raises(UserError, match="holds other latents \\(differs in img_size\\)"):
+        run(dit_cfg(*overrides, "seed=2", epochs=1), tmp_path / "third")
 
 
 # ---------------------------------------------------------------- bad input
@@ -178,6 +197,7 @@ def test_a_latent_run_denoises_the_vaes_latents(tmp_path):
     (["backbone=vit_micro"], "backbone=vit_micro is a model of kind 'image'"),
     (["task.vae=/nowhere/vae", "data.img_size=12"], "data.img_size=12: the VAE needs a multiple of 8"),
     (["task.checkpoint=/nowhere/run"], "no checkpoint at"),
+    (["task.latent_cache=/tmp/cache"], "task.latent_cache keeps the VAE's latents: set task.vae too"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, overrides, message):
     with pytest.raises(UserError) as error:
