@@ -157,6 +157,7 @@ def test_a_random_weight_sd_vae_round_trips_shapes():
     assert codec.decode(latents).shape == (2, 3, 32, 32)
 
 
+@pytest.mark.slow
 def test_a_latent_run_denoises_the_vaes_latents_from_a_cache_encoded_once(tmp_path):
     torch.manual_seed(0)
     random_sd_vae(block_out_channels=(8, 16, 16, 16), norm_num_groups=8).save_pretrained(tmp_path / "vae")
