@@ -12,7 +12,8 @@
 - Respacing: keep a subset of the steps (``"250"``: 250 evenly strided; ``"ddim50"``; ADM's section counts
   ``"10,15,20"``), each kept step's ``alpha_bar`` unchanged and its beta recomputed as
   ``1 - alpha_bar_t / alpha_bar_prev_kept``; the model still sees the original step index.
-- Sampling: DDPM ancestral steps from pure noise, no clipping of the predicted x0 (DiT's ``sample.py``),
+- Sampling: DDPM ancestral steps from pure noise, the predicted x0 clipped to [-1, 1] or not
+  (``clip_denoised``: ADM's pixel models clip, DiT's ``sample.py`` samples latents unclipped),
   classifier-free guidance on the sampler (:func:`guided`): scale 1 is the conditional model.
 
 Schedules are computed in float64 and read out as float32 per step, as ADM does. The model is any callable
@@ -160,9 +161,10 @@ class GaussianDiffusion:
         return self._at(self.sqrt_recip_alphas_cumprod, t, xt) * xt - \
             self._at(self.sqrt_recipm1_alphas_cumprod, t, xt) * eps
 
-    def p_mean_variance(self, output: torch.Tensor, xt: torch.Tensor,
-                        t: torch.Tensor) -> dict[str, torch.Tensor]:
-        """p(x_{t-1} | x_t) from the model's ``output`` at x_t: mean, log-variance and the predicted x_0.
+    def p_mean_variance(self, output: torch.Tensor, xt: torch.Tensor, t: torch.Tensor,
+                        clip_denoised: bool = False) -> dict[str, torch.Tensor]:
+        """p(x_{t-1} | x_t) from the model's ``output`` at x_t: mean, log-variance and the predicted x_0
+        (clamped to [-1, 1] with ``clip_denoised``: ADM's for pixels; DiT samples latents unclipped).
         Without ``learn_sigma`` the variance is the clipped posterior one (ADM's FIXED_SMALL)."""
         if self.learn_sigma:
             eps, v = output.split(xt.shape[1], dim=1)
@@ -174,6 +176,8 @@ class GaussianDiffusion:
             eps = output
             log_variance = self._at(self.posterior_log_variance_clipped, t, xt).expand_as(xt)
         x0 = self.predict_x0(xt, t, eps)
+        if clip_denoised:
+            x0 = x0.clamp(-1, 1)
         mean = self.q_posterior(x0, xt, t)[0]
         return {"mean": mean, "log_variance": log_variance, "x0": x0}
 
@@ -204,15 +208,15 @@ class GaussianDiffusion:
         terms["loss"] = terms["mse"] + terms.get("vb", 0.0)
         return terms
 
-    def p_sample(self, output: torch.Tensor, xt: torch.Tensor, t: torch.Tensor,
-                 noise: torch.Tensor) -> torch.Tensor:
+    def p_sample(self, output: torch.Tensor, xt: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
+                 clip_denoised: bool = False) -> torch.Tensor:
         """One ancestral step x_t -> x_{t-1} (no noise at t = 0)."""
-        p = self.p_mean_variance(output, xt, t)
+        p = self.p_mean_variance(output, xt, t, clip_denoised)
         nonzero = (t != 0).float().view(-1, *([1] * (xt.dim() - 1)))
         return p["mean"] + nonzero * torch.exp(0.5 * p["log_variance"]) * noise
 
     def p_sample_loop_progressive(self, model: Model, noise: torch.Tensor,
-                                  generator: torch.Generator | None = None,
+                                  generator: torch.Generator | None = None, clip_denoised: bool = False,
                                   **model_kwargs: Any) -> Iterator[torch.Tensor]:
         """x_T = ``noise``, then each x_{t-1} down to x_0 (yielded); the step noise from ``generator``."""
         x = noise
@@ -223,14 +227,14 @@ class GaussianDiffusion:
                 output = model(x, steps[t], **model_kwargs)
             device = generator.device if generator is not None else x.device
             step_noise = torch.randn(x.shape, generator=generator, device=device).to(x.device)
-            x = self.p_sample(output, x, t, step_noise)
+            x = self.p_sample(output, x, t, step_noise, clip_denoised)
             yield x
 
     def p_sample_loop(self, model: Model, noise: torch.Tensor, generator: torch.Generator | None = None,
-                      **model_kwargs: Any) -> torch.Tensor:
+                      clip_denoised: bool = False, **model_kwargs: Any) -> torch.Tensor:
         """x_0 from x_T = ``noise`` by ancestral sampling over every step of this process."""
         x = noise
-        for x_prev in self.p_sample_loop_progressive(model, noise, generator, **model_kwargs):
+        for x_prev in self.p_sample_loop_progressive(model, noise, generator, clip_denoised, **model_kwargs):
             x = x_prev
         return x
 

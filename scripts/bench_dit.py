@@ -34,7 +34,10 @@ from bench_norms import cpu_name  # noqa: E402
 from bench_pretrain import compose_cfg, timed  # noqa: E402
 
 from normexp.diffusion import GaussianDiffusion  # noqa: E402
+from normexp.norms import kernels  # noqa: E402
 from normexp.tasks.dit import build_dit, with_model_input  # noqa: E402
+
+kernels.COMPILE_AFTER_CALLS = 0  # the steady state of a long run: fused kernels from the first (warm-up) step
 
 
 def dit_step(backbone: str, norm: str, batch: int, input_size: int, device: torch.device,

@@ -124,7 +124,8 @@ RECIPE_BATCH = {"deit_imagenet": (1024, 3), "dtn_imagenet": (1024, 3), "dtn_pvt_
                 "mask_rcnn_pvt_1x": (16, None), "mask_rcnn_swin_1x": (16, None),
                 # MAE PRETRAIN.md / FINETUNE.md / LINPROBE.md; DyT's DINO commands (32 x 32, 176 x 6)
                 "mae_pretrain": (4096, 0), "mae_finetune": (1024, 0), "mae_finetune_large": (1024, 0),
-                "mae_linprobe": (16384, 0), "dino_vitb16": (1024, 0), "dino_vitb8": (1056, 0)}
+                "mae_linprobe": (16384, 0), "dino_vitb16": (1024, 0), "dino_vitb8": (1056, 0),
+                "dit_imagenet": (256, 0)}
 
 
 def test_every_recipe_states_its_global_batch():
@@ -183,6 +184,7 @@ RECIPE_CLIP = {
     "retinanet_pvt_1x": None, "mask_rcnn_pvt_1x": None, "mask_rcnn_swin_1x": None,  # grad_clip=None
     "mae_pretrain": None, "mae_finetune": None, "mae_finetune_large": None, "mae_linprobe": None,
     "dino_vitb16": 0.3, "dino_vitb8": 3.0,  # per parameter (clip_mode=param), as DINO's clip_gradients
+    "dit_imagenet": None,
 }
 
 

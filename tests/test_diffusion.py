@@ -144,3 +144,12 @@ def test_guidance_scale_one_is_the_conditional_model_and_other_scales_extrapolat
     torch.testing.assert_close(out[:, :2], eps_u + 4.0 * (eps_c - eps_u))
     torch.testing.assert_close(out[:, 2:], conditional[:, 2:])
     assert calls[0] == 4  # one forward over the doubled batch
+
+
+def test_clip_denoised_clamps_the_predicted_x0(diffusion):
+    xt, t = torch.full((1, 1, 1, 1), 3.0), torch.tensor([10])
+    output = torch.cat([torch.full_like(xt, -5.0), torch.zeros_like(xt)], dim=1)  # eps far off: x0 > 1
+    assert diffusion.p_mean_variance(output, xt, t)["x0"].item() > 1
+    clipped = diffusion.p_mean_variance(output, xt, t, clip_denoised=True)
+    assert clipped["x0"].item() == 1.0
+    torch.testing.assert_close(clipped["mean"], diffusion.q_posterior(torch.ones_like(xt), xt, t)[0])

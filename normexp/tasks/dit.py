@@ -254,7 +254,9 @@ class Sampler:
         """uint8 (N, 3, H, W) samples of ``labels``, from the noise of ``stream``."""
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + 7) * 1_000_033 + stream)
         noise = torch.randn((len(labels), *self.shape), generator=generator).to(self.device)
-        x = self.diffusion.p_sample_loop(self.forward, noise, generator, y=labels.to(self.device))
+        # the predicted x0 clipped to the pixels' range (ADM's pixel models); latents unclipped (DiT's)
+        x = self.diffusion.p_sample_loop(self.forward, noise, generator, clip_denoised=self.codec is None,
+                                         y=labels.to(self.device))
         if self.codec is not None:
             x = self.codec.decode(x)
         return as_uint8(x).cpu()

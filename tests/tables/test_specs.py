@@ -81,6 +81,13 @@ RECIPES = {
                     "task.local_crops": 10, "task.out_dim": 65536, "backbone.patch_size": 16},
     "dino_vitb8": {"task.name": "dino", "trainer.epochs": 300, "trainer.lr": 5e-4, "trainer.clip_grad": 3.0,
                    "task.warmup_teacher_temp": 0.03, "backbone.patch_size": 8},
+    # facebookresearch/DiT train.py, sample_ddp.py; DyT's learning-rate-fix.patch; the Derf README's length
+    "dit_imagenet": {"task.name": "dit", "trainer.epochs": 80, "trainer.lr": 4e-4,
+                     "trainer.weight_decay": 0.0, "trainer.global_batch": 256, "trainer.ema.decay": 0.9999,
+                     "trainer.warmup_epochs": 0,
+                     "trainer.clip_grad": None, "task.vae": "stabilityai/sd-vae-ft-ema", "task.hflip": 0.5,
+                     "task.sampling_steps": 250, "task.guidance": 1.0, "task.fid.samples": 50000,
+                     "data.img_size": 256, "backbone.class_dropout": 0.1, "backbone.learn_sigma": True},
 }
 # per backbone (fnmatch), within a recipe: stochastic depth of the official configs
 DROP_PATH = {
@@ -133,12 +140,12 @@ def test_full_scale_runs_are_the_papers_recipes(plans, table):
 
 @pytest.mark.parametrize("table", list_tables())
 def test_smoke_scale_runs_on_a_laptop(plans, table):
-    """Micro members on the embedded data, 8 epochs -- the pre-training tasks their demos' (MAE 30 epochs of
-    a fast step, DINO 10)."""
+    """Micro members on the embedded data, 8 epochs -- the pre-training and generative tasks their demos'
+    (MAE 30 epochs of a fast step, DINO 10, DiT 100 of 8 px digits)."""
     for run in plans[table, "smoke"].runs:
         assert get_path(run.config, "backbone.name").endswith(("_micro", "_micro_star")), run.overrides
         assert get_path(run.config, "data.name") in ("digits", "coco_digits")
-        budget = {"mae": 30, "dino": 10}.get(get_path(run.config, "task.name"), 8)
+        budget = {"mae": 30, "dino": 10, "dit": 100}.get(get_path(run.config, "task.name"), 8)
         assert get_path(run.config, "trainer.epochs") <= budget
 
 
