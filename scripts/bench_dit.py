@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,8 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_norms import cpu_name  # noqa: E402
-from bench_pretrain import compose_cfg, timed  # noqa: E402
+from bench_pretrain import compose_cfg, interleaved, report_header, write_report  # noqa: E402
 
 from normexp.diffusion import GaussianDiffusion  # noqa: E402
 from normexp.norms import kernels  # noqa: E402
@@ -81,20 +78,10 @@ def main() -> None:
     torch.manual_seed(0)
     cases = {norm: dit_step(args.backbone, norm, args.batch, args.input_size, device, args.amp)
              for norm in args.norms}
-    for step in cases.values():
-        timed(step, args.warmup, device)
-    rounds: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(args.rounds):
-        for name, step in cases.items():
-            rounds[name].append(timed(step, args.steps, device))
-    seconds = {name: statistics.median(times) for name, times in rounds.items()}
+    seconds = interleaved(cases, args.warmup, args.steps, args.rounds, device)
     first = args.norms[0]
     lines = [
-        "# DiT training step benchmark (scripts/bench_dit.py)", "",
-        f"- machine: {cpu_name()}, {torch.get_num_threads()} torch threads, {platform.platform(terse=True)}"
-        + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),
-        f"- versions: torch {torch.__version__}",
-        f"- command: `scripts/bench_dit.py {' '.join(sys.argv[1:])}`",
+        *report_header("DiT training step benchmark", "bench_dit.py", device),
         f"- step: {args.backbone}, batch {args.batch}, latents {args.input_size}x{args.input_size}x4 "
         f"({8 * args.input_size} px images), {args.amp or 'fp32'}, device {device}; warm-up {args.warmup}, "
         f"{args.rounds} interleaved rounds of {args.steps} steps, median",
@@ -102,11 +89,7 @@ def main() -> None:
         f"| norm | step ms | images/s | time vs {first} |", "|---|---|---|---|"]
     for name, s in seconds.items():
         lines.append(f"| {name} | {1000 * s:.0f} | {args.batch / s:.2f} | {s / seconds[first]:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,37 @@ def timed(step: Callable[[], None], steps: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def interleaved(cases: dict[str, Callable[[], None]], warmup: int, steps: int, rounds: int,
+                device: torch.device) -> dict[str, float]:
+    """Each case's seconds per step: warmed up, then ``rounds`` rounds of ``steps`` steps of every case in
+    turn (a slow spell of a shared machine hits all of them), the median over rounds of each round's
+    median."""
+    for step in cases.values():
+        timed(step, warmup, device)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, step in cases.items():
+            times[name].append(timed(step, steps, device))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def report_header(title: str, script: str, device: torch.device) -> list[str]:
+    gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    return [f"# {title} (scripts/{script})", "",
+            f"- machine: {cpu_name()}, {torch.get_num_threads()} torch threads, "
+            f"{platform.platform(terse=True)}{gpu}",
+            f"- versions: torch {torch.__version__}",
+            f"- command: `scripts/{script} {' '.join(sys.argv[1:])}`"]
+
+
+def write_report(lines: list[str], out: Path | None) -> None:
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,20 +180,10 @@ def main() -> None:
         cases[f"dino {norm}"] = dino_step(compose_cfg("experiment=dino_vitb16", *common, f"norm={norm}",
                                                       f"task.local_crops={args.local_crops}"), args.batch,
                                           device)
-    for step in cases.values():
-        timed(step, args.warmup, device)
-    rounds: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(args.rounds):
-        for name, step in cases.items():
-            rounds[name].append(timed(step, args.steps, device))
-    seconds = {name: statistics.median(times) for name, times in rounds.items()}
+    seconds = interleaved(cases, args.warmup, args.steps, args.rounds, device)
     supervised = seconds[f"supervised {args.backbone} ln"]
     lines = [
-        "# Pre-training step benchmark (scripts/bench_pretrain.py)", "",
-        f"- machine: {cpu_name()}, {torch.get_num_threads()} torch threads, {platform.platform(terse=True)}"
-        + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),
-        f"- versions: torch {torch.__version__}",
-        f"- command: `scripts/bench_pretrain.py {' '.join(sys.argv[1:])}`",
+        *report_header("Pre-training step benchmark", "bench_pretrain.py", device),
         f"- step: batch {args.batch}, 224 px, fp32, device {device}; DINO: 2 x 224 + {args.local_crops} x 96 "
         f"px views; warm-up {args.warmup}, {args.rounds} interleaved rounds of {args.steps} steps, median",
         "",
@@ -178,11 +199,7 @@ def main() -> None:
         if norm != "ln" and not name.startswith("supervised"):
             ratio += f"; {s / seconds[name.rsplit(' ', 1)[0] + ' ln']:.2f}x its ln time"
         lines.append(f"| {name} | {1000 * s:.0f} | {args.batch / s:.2f} | {ratio} | {target} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,11 @@ def test_modulate():
     torch.testing.assert_close(modulate(x, shift, scale), torch.full((2, 3, 4), 2.5))
 
 
-@pytest.mark.parametrize("norm", list_norms())
+PAPERS = {"ln", "dyt", "derf", "dtn"}  # DiT's, DyT's, Derf's and ours in the fast tier; the others slow
+
+
+@pytest.mark.parametrize("norm", [n if n in PAPERS else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in list_norms()])
 def test_every_norm_fills_every_affine_free_slot_and_trains(norm):
     """Every slot takes the normalizer, without a learnable affine (DiT's slots have none): DyT there is
     tanh(alpha x) -- alpha its only parameter, as DyT's DiT patch makes it."""

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from conftest import CONFIG_DIR, quick_cfg
 
 from normexp.engine.checkpoint import load_checkpoint
-from normexp.engine.trainer import Trainer
 from normexp.errors import UserError
 from normexp.models import build_backbone
 from normexp.norms.registry import get_norm_class
@@ -173,25 +172,6 @@ def test_a_run_monitors_knn_and_fine_tuning_starts_from_its_teacher(pretrained, 
     assert backbone and all(torch.equal(own[k], v) for k, v in backbone.items())
     assert record.summary["pretrained"]["weights"] == "teacher"
     assert record.summary["pretrained"]["fresh"] == ["head.weight", "head.bias"]
-
-
-@pytest.mark.slow
-def test_pretraining_resumes_exactly_after_a_crash(pretrained, tmp_path, monkeypatch):
-    """Teacher, centre and schedules are in the checkpoint: the resumed run is the uninterrupted one."""
-    uninterrupted, _ = pretrained
-    real_epoch = Trainer.train_one_epoch
-
-    def crash_in_epoch_3(self, epoch):
-        if epoch == 2:
-            raise KeyboardInterrupt("preempted")
-        return real_epoch(self, epoch)
-
-    monkeypatch.setattr(Trainer, "train_one_epoch", crash_in_epoch_3)
-    with pytest.raises(KeyboardInterrupt):
-        run(dino_cfg("norm=dyt"), tmp_path / "run")
-    monkeypatch.setattr(Trainer, "train_one_epoch", real_epoch)
-    resumed = run(dino_cfg("norm=dyt"), tmp_path / "run")
-    assert resumed["metrics"]["final"] == uninterrupted["metrics"]["final"]
 
 
 @pytest.mark.parametrize("overrides,message", [

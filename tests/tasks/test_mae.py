@@ -203,24 +203,6 @@ def test_layer_decay_gives_each_block_the_mae_scale(tmp_path):
         assert scale_of[id(parameter)] == pytest.approx(0.65 ** (depth + 1 - layer)), name
 
 
-@pytest.mark.slow
-def test_pretraining_resumes_exactly_after_a_crash(pretrained, tmp_path, monkeypatch):
-    uninterrupted, _ = pretrained
-    real_epoch = Trainer.train_one_epoch
-
-    def crash_in_epoch_3(self, epoch):
-        if epoch == 2:
-            raise KeyboardInterrupt("preempted")
-        return real_epoch(self, epoch)
-
-    monkeypatch.setattr(Trainer, "train_one_epoch", crash_in_epoch_3)
-    with pytest.raises(KeyboardInterrupt):
-        run(mae_cfg("norm=dyt"), tmp_path / "run")
-    monkeypatch.setattr(Trainer, "train_one_epoch", real_epoch)
-    resumed = run(mae_cfg("norm=dyt"), tmp_path / "run")
-    assert resumed["metrics"]["final"] == uninterrupted["metrics"]["final"]
-
-
 @pytest.mark.parametrize("overrides,message", [
     (["task.mask_ratio=1.0"], "task.mask_ratio=1.0: the fraction of patches masked must be in (0, 1)"),
     (["task.decoder.heads=5"], "cannot build MAE over backbone 'vit_micro' with norm 'ln': decoder_heads=5 "
