@@ -5,7 +5,6 @@ a run, fine-tuning from its teacher, exact resume, and bad input in one line."""
 from __future__ import annotations
 
 import math
-import os
 import socket
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from conftest import CONFIG_DIR, quick_cfg
+from process_workers import dino_center_of
 
 from normexp.engine.checkpoint import load_checkpoint
 from normexp.errors import UserError
@@ -188,18 +188,6 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, overrides, message):
 
 
 # ---------------------------------------------------------------- the centre over processes
-def _center_of(rank: int, world: int, port: int, outputs: np.ndarray, result: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    from normexp import distributed
-
-    distributed.init_distributed("cpu")
-    loss = DINOLoss(outputs.shape[1], 2)
-    loss.update_center(torch.from_numpy(np.array_split(outputs, world)[rank]))
-    if rank == 0:
-        np.save(result, loss.center.numpy())
-
-
 @pytest.mark.slow
 def test_the_centre_is_the_same_on_one_and_two_processes(tmp_path):
     outputs = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)
@@ -209,7 +197,7 @@ def test_the_centre_is_the_same_on_one_and_two_processes(tmp_path):
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         result = str(tmp_path / f"centre{world}.npy")
-        mp.start_processes(_center_of, args=(world, port, outputs, result), nprocs=world,
+        mp.start_processes(dino_center_of, args=(world, port, outputs, result), nprocs=world,
                            start_method="spawn")
         centres.append(np.load(result))
     assert np.allclose(centres[0], centres[1], atol=1e-7)
