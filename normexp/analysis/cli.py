@@ -5,8 +5,8 @@
 
 Rebuilds the model from the run's record (resolved config + checkpoint; the EMA weights where its recipe
 reports them, ``--no-ema`` for the trained ones), runs a fixed, seeded set of validation images through
-it with every norm slot hooked, and writes ``<run dir>/analysis/``: one PNG per figure and the numbers
-behind it --
+it as its task feeds them (a DiT: noised at seeded diffusion steps, with their labels) with every norm
+slot hooked, and writes ``<run dir>/analysis/``: one PNG per figure and the numbers behind it --
 
 * ``io.png`` / ``io_channels.png`` + ``io.json`` (fit per slot) + ``io_points.csv`` (every plotted point):
   input vs output (before the slot's affine) of every norm slot, points of a few tokens / of the channels
@@ -77,8 +77,9 @@ def write_analysis(analysis: RunAnalysis, out: Path, label: str | None = None) -
 
     if analysis.io is not None:
         slots = [n["slot"] for n in analysis.io_numbers or []]
-        caption = (f"{len(analysis.images)} validation images; outputs before the slot's per-channel affine; "
-                   "grey: a uniform sample of elements; saturated: |b x| > 2")
+        seen = f" {analysis.inputs}" if analysis.inputs else ""
+        caption = (f"{len(analysis.images)} validation images{seen}; outputs before the slot's per-channel "
+                   "affine; grey: a uniform sample of elements; saturated: |b x| > 2")
         rows = plot_io([shown], [slots], out / "io.png", "token", caption=caption)
         note(out / "io.png")
         plot_io([shown], [slots], out / "io_channels.png", "channel", caption=caption)
@@ -109,7 +110,7 @@ def run_summary(analysis: RunAnalysis, figures: list[str], seed: int, files: lis
     run = analysis.run
     return {"run": str(run.dir), "backbone": run.backbone, "norm": run.norm,
             "weights": "EMA" if run.ema else "model", "epoch": run.epoch, "top1": run.top1,
-            "figures": figures, "images": {"count": len(analysis.images), "seed": seed,
+            "figures": figures, "images": {"count": len(analysis.images), "seed": seed, "as": analysis.inputs,
                                            "val_indices": analysis.image_indices},
             "image_px": list(analysis.image_size), "slots": analysis.slots, "files": files,
             "notes": analysis.notes}

@@ -5,7 +5,8 @@ backbone weights its task finds in ``checkpoint.pth`` (``Task.backbone_weights``
 when its recipe reports them, ``trainer.ema.reported``, as the tables do) -- and refuses what is not a trained
 model (no checkpoint, a diverged or failed run, a task whose checkpoint holds no backbone) with one line.
 :func:`sample_images` draws a fixed, seeded set of validation images. :func:`analyse` runs them through the
-model once (in batches), with the hooks of every requested analysis on at the same time, and returns a
+model once (in batches) as its task feeds it (``Task.model_input``: a DiT sees them noised at seeded steps,
+with their labels), with the hooks of every requested analysis on at the same time, and returns a
 :class:`RunAnalysis`.
 """
 
@@ -99,27 +100,31 @@ def status_note(run: LoadedRun) -> list[str]:
     return [f"the run's status is '{status}': its last checkpoint (epoch {run.epoch}) is analysed"]
 
 
-def sample_images(config: dict[str, Any], count: int, seed: int) -> tuple[torch.Tensor, list[int]]:
-    """``count`` validation images of the run's data, drawn by a generator seeded with ``seed`` (sorted
-    indices); the same run, count and seed give the same images."""
+def sample_images(config: dict[str, Any], count: int, seed: int, transform: Any = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``count`` validation images of the run's data (through ``transform``, a task's ``eval_transform``;
+    None: the data's own) with their labels, drawn by a generator seeded with ``seed``; the same run, count
+    and seed give the same images."""
     from ..data import build_classification_data
 
     data_cfg = OmegaConf.create(config["data"])
-    dataset = build_classification_data(data_cfg, int(config.get("seed", 0))).val.dataset
+    dataset = build_classification_data(data_cfg, int(config.get("seed", 0)),
+                                        eval_transform=transform).val.dataset
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(dataset), generator=generator).tolist()
-    images, indices = [], []
+    images, labels, indices = [], [], []
     for i in order:
         item = dataset[i]
         if item is None:  # unreadable image
             continue
         images.append(item[0])
+        labels.append(int(item[1]))
         indices.append(i)
         if len(images) == count:
             break
     if not images:
         raise UserError("the run's validation set has no readable image")
-    return torch.stack(images), indices
+    return torch.stack(images), torch.tensor(labels), indices
 
 
 @dataclass
@@ -160,6 +165,7 @@ class RunAnalysis:
     image_indices: list[int]
     images: torch.Tensor
     slots: list[str]
+    inputs: str = ""  # how the model saw the images, in words (Task.model_input; empty: as they are)
     io: dict[str, SlotSample] | None = None
     io_numbers: list[dict[str, Any]] | None = None
     alpha: list[AlphaLayer] | None = None
@@ -206,10 +212,16 @@ def analyse(run: LoadedRun, analyses: list[str], images: int = 16, seed: int = 0
     unknown = [a for a in analyses if a not in ANALYSES]
     if unknown:
         raise UserError(f"unknown figure(s) {unknown}; available: {', '.join(ANALYSES)}")
+    from ..tasks import get_task
+
     model = run.model.to(device).eval()
-    batch, indices = sample_images(run.config, images, seed)
+    model_input = get_task(run.config["task"]["name"]).model_input
+    model_input = model_input(run.config) if model_input is not None else None
+    batch, labels, indices = sample_images(run.config, images, seed,
+                                           model_input.transform if model_input is not None else None)
     slots = norm_slot_names(model)
-    result = RunAnalysis(run, tuple(batch.shape[-2:]), indices, batch, slots)
+    result = RunAnalysis(run, tuple(batch.shape[-2:]), indices, batch, slots,
+                         model_input.described if model_input is not None else "")
     if status_note(run):
         result.notes["run"] = status_note(run)
     callbacks: list[tuple[list[str], Any]] = []
@@ -246,9 +258,14 @@ def analyse(run: LoadedRun, analyses: list[str], images: int = 16, seed: int = 0
                 callback(name, module, x, y)
 
     hooked = sorted({s for names, _ in callbacks for s in names}, key=slots.index)
+    generator = torch.Generator().manual_seed(seed)  # the task's own randomness (noise, steps), if any
     with hooked_slots(model, hooked, dispatch), (attention.hooked() if attention else nullcontext()):
         for start in range(0, len(batch), BATCH):
-            model(batch[start:start + BATCH].to(device))
+            x, y = batch[start:start + BATCH].to(device), labels[start:start + BATCH].to(device)
+            if model_input is None:
+                model(x)
+            else:
+                model_input.forward(model, x, y, generator)
 
     if sampler is not None:
         result.io = sampler.samples

@@ -198,8 +198,9 @@ def render_figure(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_
         raise UserError(f"figure {spec.id}: no run has a trained model to analyse ({'; '.join(problems)})")
     members = sorted({f"{s.analysis.run.backbone} on {s.analysis.run.config['data']['name']} "
                       f"{s.analysis.image_size[0]} px" for s in shown})
+    seen = sorted({f"{s.analysis.run.backbone} {s.analysis.inputs}" for s in shown if s.analysis.inputs})
     images = (f"validation image {shown[0].analysis.image_indices[0]}" if spec.analysis == "tokens"
-              else f"{spec.images} validation images")
+              else f"{spec.images} validation images" + (f" ({'; '.join(seen)})" if seen else ""))
     caption = f"scale {plan.scale.name}: {', '.join(members)}; seed {min(r.seed for r in runs)}; {images}"
     notes = sorted({n for s in shown for ns in s.analysis.notes.values() for n in ns})
     if problems:
@@ -226,8 +227,9 @@ def render_figure(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_
             numbers = plot_attention(shown, png, title=title, caption="; ".join([caption, *notes]))
             extra[".csv"] = numbers
         record = {"figure": spec.id, "title": spec.title, "source": spec.source, "mirrors": spec.mirrors,
-                  "analysis": spec.analysis, "scale": plan.scale.name, "rendered_at": _now(),
-                  "runs": [_run_entry(r) for r in runs], "notes": notes, "numbers": numbers}
+                  "analysis": spec.analysis, "scale": plan.scale.name, "caption": caption,
+                  "rendered_at": _now(), "runs": [_run_entry(r) for r in runs], "notes": notes,
+                  "numbers": numbers}
         (Path(tmp) / f"{spec.id}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
         for suffix, rows in extra.items():
             write_rows(Path(tmp) / f"{spec.id}{suffix}", rows)

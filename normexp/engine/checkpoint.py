@@ -112,10 +112,15 @@ def checkpoint_run_config(source: str | Path) -> dict[str, Any] | None:
     return state.get("config") if isinstance(state, dict) else None
 
 
-def reported_weights(state: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The weights a training checkpoint's run reports, and which they are: its EMA model's (``"ema"``) when
-    the run's recipe reports the EMA (``trainer.ema.reported``), else the trained model's (``"raw"``). A bare
+def reported_weights(state: dict[str, Any], ema: bool | None = None) -> tuple[dict[str, Any], str]:
+    """The weights of a training checkpoint, and which they are: with ``ema=None`` those its run reports --
+    its EMA model's (``"ema"``) when the run's recipe reports the EMA (``trainer.ema.reported``), else the
+    trained model's (``"raw"``); with ``ema=True`` / ``False`` the EMA's / the trained ones. A bare
     state_dict is the trained model's."""
+    if ema is not None and "model" in state:
+        if ema and state.get("ema") is None:
+            raise UserError("the checkpoint has no EMA weights (trained with trainer.ema.enabled=false)")
+        return (state["ema"], "ema") if ema else (state["model"], "raw")
     if "model" not in state:
         return state, "raw"
     config = state.get("config") or {}

@@ -5,8 +5,9 @@ reads, the metrics its evaluation reports (the config schema checks ``data`` and
 against them), its own checks before any work, the config it actually runs (``prepare``: e.g. the
 checkpoint's model in place of the configured one -- applied before the run record is written, so the
 record and the run directory name the model that runs), and what a run starting from one of its runs reads
-from its checkpoint (``backbone_weights``). Nothing outside a task's module compares task names: the schema,
-the start, the planner and ``normexp analyze`` ask the registry.
+from its checkpoint (``backbone_weights``) and how its model reads a batch (``model_input``). Nothing
+outside a task's module compares task names: the schema, the start, the planner and ``normexp analyze`` ask
+the registry.
 
 Every module of this package is imported on the first look-up, so a new task is one module (plus its model
 code) and its yamls; a plugin module registers its tasks the same way (``plugins=[mytasks]``).
@@ -20,7 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from ..errors import UserError
 from ..tracking.records import RunRecord
@@ -41,7 +44,8 @@ class Task:
     backbone's weights in a checkpoint of one of its runs (None: its checkpoints hold no backbone a run can
     start from or ``normexp analyze`` can rebuild). ``settings(values)``: its own settings a table's dry run
     prints. ``backbone_kind``: the kind of model it builds from ``backbone`` (the backbone config's ``kind``;
-    absent: an image backbone).
+    absent: an image backbone). ``model_input(config)``: how ``normexp analyze`` feeds a run's model its
+    validation images (None: through the data's own transform, ``model(images)``).
     """
 
     name: str
@@ -55,6 +59,19 @@ class Task:
     backbone_weights: Callable[[dict[str, Any], bool | None], tuple[dict[str, Any], str]] | None = None
     settings: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     backbone_kind: str = "image"
+    model_input: Callable[[dict[str, Any]], ModelInput] | None = None
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """How a task's model reads a batch of validation images: their transform (an ``eval_transform`` of
+    :func:`normexp.data.build_classification_data`; None: the data's own), the call from (model, images,
+    labels, generator) to the model's output, any randomness it needs (a diffusion step, noise) drawn from
+    the generator, and how the model sees them, in words (for figure captions; empty: as they are)."""
+
+    transform: Callable[[Any], Any] | None
+    forward: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Generator], Any]
+    described: str = ""
 
 
 TASKS: dict[str, Task] = {}
@@ -94,12 +111,15 @@ def evaluated(values: dict[str, Any], names: list[str]) -> list[str]:
     return [f"{prefix}/{name}" for prefix in prefixes for name in names]
 
 
-def backbone_task(config: dict[str, Any] | None, source: Any) -> Task:
+def backbone_task(config: dict[str, Any] | None, source: Any, kind: str = "image") -> Task:
     """The task of the run that wrote ``source`` (its ``config``; a checkpoint without one: a classifier's),
-    refused in one line when its checkpoints hold no backbone to start from."""
+    refused in one line when its checkpoints hold no backbone of ``kind`` to start from."""
     task = get_task((config or {}).get("task", {}).get("name", "classification"))
-    if task.backbone_weights is None:
-        starters = ", ".join(sorted(name for name, t in TASKS.items() if t.backbone_weights is not None))
-        raise UserError(f"'{source}' is a {task.name} run, whose checkpoint holds no backbone to start from: "
+    if task.backbone_weights is None or task.backbone_kind != kind:
+        starters = ", ".join(sorted(name for name, t in TASKS.items()
+                                    if t.backbone_weights is not None and t.backbone_kind == kind))
+        what = ("no backbone" if task.backbone_weights is None
+                else f"a {task.backbone_kind} model, no {kind} backbone")
+        raise UserError(f"'{source}' is a {task.name} run, whose checkpoint holds {what} to start from: "
                         f"give a run of {starters}")
     return task

@@ -171,16 +171,6 @@ def metric_names(values: dict[str, Any]) -> list[str]:
     return evaluated(values, ["top1", "top5", "loss"])
 
 
-def classifier_weights(state: dict[str, Any], ema: bool | None) -> tuple[dict[str, Any], str]:
-    """A classification checkpoint's backbone: the weights its recipe reports (``ema=None``), its EMA's
-    (``True``) or the trained ones (``False``)."""
-    if ema is None:
-        return reported_weights(state)
-    if ema and state.get("ema") is None:
-        raise UserError("the checkpoint has no EMA weights (trained with trainer.ema.enabled=false)")
-    return (state["ema"], "ema") if ema else (state.get("model", state), "raw")
-
-
 def classification_settings(values: dict[str, Any]) -> dict[str, Any]:
     task = values["task"]
     settings = {"pretrained": task.get("pretrained"), "linear_probe": task.get("linear_probe") or None}
@@ -191,5 +181,5 @@ def classification_settings(values: dict[str, Any]) -> dict[str, Any]:
 
 register_task(Task("classification", run_classification, data=("digits", "imagenet"),
                    metrics=metric_names, check=check_classification, prepare=with_pretrained_model,
-                   starts_from="task.pretrained", backbone_weights=classifier_weights,
+                   starts_from="task.pretrained", backbone_weights=reported_weights,
                    settings=classification_settings))

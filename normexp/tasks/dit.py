@@ -54,7 +54,7 @@ from ..engine.precision import resolve_device
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..metrics.fid import frechet_distance, inception_score, load_reference, statistics
-from ..models import backbone_arguments, build_model, create_model
+from ..models import build_backbone, check_buildable
 from ..models.features import (
     DigitsFeatures,
     InceptionFeatures,
@@ -64,7 +64,7 @@ from ..models.features import (
 from ..models.stats import count_params
 from ..models.vae import CHANNELS, DOWNSAMPLE, LatentCodec, check_vae
 from ..tracking.records import RunRecord
-from . import Task, evaluated, register_task
+from . import ModelInput, Task, evaluated, register_task
 from .latent_cache import CachedLatents, cache_folder, encode_dataset
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,7 @@ def check_dit(cfg: Any) -> None:
     if task.checkpoint:
         load_checkpoint(task.checkpoint)
     prepared = with_model_input(cfg)
-    with torch.device("meta"):
-        build_dit(prepared)
+    check_buildable(prepared.backbone, prepared.norm)
 
 
 def feature_kind(cfg: Any) -> str:
@@ -143,11 +142,6 @@ def feature_kind(cfg: Any) -> str:
         raise UserError("task.fid.features=digits scores digits only: use inception for data="
                         f"{cfg.data.name}")
     return kind
-
-
-def build_dit(cfg: Any) -> nn.Module:
-    name, kwargs = backbone_arguments(cfg.backbone)
-    return build_model(lambda: create_model(name, **kwargs), cfg.norm, f"DiT '{name}'")
 
 
 # ---------------------------------------------------------------- data
@@ -459,7 +453,7 @@ def with_latent_cache(cfg: Any, data: Any, codec: LatentCodec) -> Any:
 
 # ---------------------------------------------------------------- the task
 def run_dit(cfg: Any, record: RunRecord) -> dict[str, Any]:
-    model = build_dit(cfg)
+    model = build_backbone(cfg.backbone, cfg.norm)
     codec = LatentCodec.load(str(cfg.task.vae), cfg.task.latent_scale) if latent(cfg) else None
     record.update(params=count_params(model))
     log.info("%s with norm=%s: %.2fM params, %s space, zero_init=%s", cfg.backbone.name, cfg.norm.name,
@@ -494,6 +488,25 @@ def metric_names(values: dict[str, Any]) -> list[str]:
     return evaluated(values, ["loss"])
 
 
+def noised_input(config: dict[str, Any]) -> ModelInput:
+    """What ``normexp analyze`` feeds a trained DiT (the inputs of DyT Fig. 2's DiT panel): validation images
+    as it trains on them ([-1, 1] pixels, or their VAE latents), noised at uniformly drawn steps, with their
+    labels."""
+    task = config["task"]
+    codec = LatentCodec.load(str(task["vae"]), task["latent_scale"]) if task["vae"] else None
+    diffusion = GaussianDiffusion.create(task["diffusion_steps"])
+
+    def forward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                generator: torch.Generator) -> torch.Tensor:
+        x = codec.to(images.device).encode(images, generator) if codec is not None else images
+        t = torch.randint(0, diffusion.num_steps, (len(x),), generator=generator).to(x.device)
+        noise = torch.randn(x.shape, generator=generator).to(x.device)
+        return model(diffusion.q_sample(x, t, noise), t, labels.to(x.device))
+
+    return ModelInput(dit_views(0.0), forward,
+                      "noised at uniformly drawn diffusion steps (seeded), with their labels")
+
+
 def dit_settings(values: dict[str, Any]) -> dict[str, Any]:
     task = values["task"]
     return {"space": "latent" if task["vae"] else "pixel", "zero_init": values["backbone"].get("zero_init"),
@@ -503,4 +516,4 @@ def dit_settings(values: dict[str, Any]) -> dict[str, Any]:
 
 register_task(Task("dit", run_dit, data=("digits", "imagenet"), metrics=metric_names, check=check_dit,
                    prepare=with_model_input, starts_from="task.checkpoint", settings=dit_settings,
-                   backbone_kind="diffusion"))
+                   backbone_kind="diffusion", backbone_weights=reported_weights, model_input=noised_input))

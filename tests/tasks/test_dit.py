@@ -16,9 +16,11 @@ from conftest import quick_cfg
 from omegaconf import open_dict
 from PIL import Image
 
+from normexp.analysis.core import analyse, load_run
 from normexp.data.loaders import default_cache_dir
 from normexp.errors import UserError
 from normexp.metrics.fid import frechet_distance, inception_score, load_reference, statistics
+from normexp.models import build_backbone
 from normexp.models.features import DigitsFeatures, as_uint8
 from normexp.models.vae import LatentCodec, random_sd_vae
 from normexp.run import run
@@ -65,7 +67,7 @@ def test_sampling_continues_from_its_finished_shards(trained, tmp_path, monkeypa
     folder.mkdir()
     shutil.copy(run_dir / "shards" / "shard-00000.npz", folder)
     (folder / ".shard-00001.npz.123.npz").write_bytes(b"half a shard")  # a writer killed mid-write
-    model = dit_task.build_dit(cfg)
+    model = build_backbone(cfg.backbone, cfg.norm)
     model.load_state_dict(torch.load(run_dir / "checkpoint.pth", weights_only=True)["ema"])
     made = []
     sampler = dit_task.Sampler(model, cfg.task, 10, (3, 8, 8), None, torch.device("cpu"), cfg.seed)
@@ -85,6 +87,30 @@ def test_a_finished_run_is_scored_on_its_own_to_the_same_numbers(trained, tmp_pa
     assert read_config(tmp_path / "scored")["norm"]["name"] == "dyt"  # the checkpoint's, not the configured
     for key in ("fd_digits", "class_top1"):
         assert scored["metrics"]["reported"][key] == summary["metrics"]["reported"][key]
+
+
+def test_analyze_feeds_the_trained_dit_its_noised_images(trained):
+    """DyT Fig. 2's DiT panel: the model rebuilt from its record (EMA weights), fed seeded validation images
+    noised at seeded steps with their labels; its affine-free DyT slots lie on their own tanh(alpha x)."""
+    loaded = load_run(trained[1])
+    assert loaded.ema and loaded.backbone == "dit_micro"
+    first = analyse(loaded, ["io", "alpha"], images=4, io_patterns=["blocks.*.norm1"])
+    assert "noised at uniformly drawn diffusion steps" in first.inputs
+    assert [n["slot"] for n in first.io_numbers] == [f"blocks.{i}.norm1" for i in range(4)]
+    for numbers in first.io_numbers:
+        assert numbers["layer"] == "DyT" and numbers["r2"] > 0.9999
+        assert numbers["b"] == pytest.approx(numbers["layer_alpha"], rel=1e-3)
+    assert len(first.alpha) == 2 * 4 + 1  # norm1, norm2 of 4 blocks and the final layer's norm
+    again = analyse(loaded, ["io"], images=4, io_patterns=["blocks.*.norm1"])
+    slot = "blocks.3.norm1"  # the same seed: the same images, steps and noise
+    np.testing.assert_array_equal(again.io[slot].points["x"], first.io[slot].points["x"])
+
+
+def test_a_dit_run_is_no_backbone_to_fine_tune(trained, tmp_path):
+    with pytest.raises(UserError, match="is a dit run, whose checkpoint holds a diffusion model, no image "
+                                        "backbone to start from: give a run of classification, dino, mae"):
+        run(quick_cfg(f"task.pretrained={trained[1]}"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------- the metrics
