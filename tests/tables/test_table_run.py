@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, run_cli
@@ -59,7 +60,7 @@ def in_process(capfd: pytest.CaptureFixture, main: Callable[[list[str]], None],
     return code, out.out + out.err
 
 
-def test_table_runs_skips_and_recomputes(tmp_path, capfd, monkeypatch):
+def test_table_runs_skips_and_plans_what_is_missing(tmp_path, capfd, monkeypatch):
     """The output root is no plain ASCII word: its path reaches every job as one quoted override."""
     spec, scale, out = tmp_path / "tiny.yaml", tmp_path / "cpu1.yaml", tmp_path / "results"
     spec.write_text(SPEC)
@@ -87,25 +88,47 @@ def test_table_runs_skips_and_recomputes(tmp_path, capfd, monkeypatch):
     assert code == 0, again[-2000:]
     assert "2 done (skipped), 0 to run" in again and "hydra/sweeper=table" not in again
 
-    # a deleted record is recomputed, and only that one
-    runs = root / "tables" / "cpu1" / "tiny"
-    (tanh,) = [d for d in runs.iterdir() if (d / "config.yaml").is_file() and "squash: tanh" in
-               (d / "config.yaml").read_text()]
-    (identity,) = [d for d in runs.iterdir() if d.is_dir() and d != tanh and (d / "summary.json").is_file()
-                   and "squash: identity" in (d / "config.yaml").read_text()]
-    before = (identity / "summary.json").stat().st_mtime_ns
-    shutil.rmtree(tanh)
-    code, third = in_process(capfd, cli.main, *args)
-    assert code == 0, third[-2000:]
-    assert "1 done (skipped), 1 to run" in third and "Launching 1 jobs" in third
-    assert (tanh / "summary.json").is_file() and (identity / "summary.json").stat().st_mtime_ns == before
-    assert md_cells((out / "tiny.md").read_text())["dyt tanh"][2] == top1  # same seed, same numbers
-
     code, compared = in_process(capfd, compare.main, "--table", str(spec), "--scale", str(scale))
     assert code == 0, compared
     rows = md_cells(compared)
     assert rows["dyt tanh"][3] == top1 and rows["dyt identity"][3] == "—"
     assert rows["dyt identity"][4] == "1 diverged"
+
+    # a deleted record is planned again, and only that one (trained again: the slow test below)
+    tanh, identity = record_dirs(root)
+    shutil.rmtree(tanh)
+    code, third = in_process(capfd, cli.main, *args, "--dry-run")
+    assert code == 0, third[-2000:]
+    assert "1 done (skipped), 1 to run" in third and "Launching" not in third
+
+
+def record_dirs(root: Path) -> tuple[Path, Path]:
+    """The tiny table's run directories: (DyT tanh, DyT identity)."""
+    runs = [d for d in (root / "tables" / "cpu1" / "tiny").iterdir() if (d / "config.yaml").is_file()]
+    (tanh,) = [d for d in runs if "squash: tanh" in (d / "config.yaml").read_text()]
+    (identity,) = [d for d in runs if "squash: identity" in (d / "config.yaml").read_text()]
+    return tanh, identity
+
+
+@pytest.mark.slow
+def test_a_deleted_record_is_trained_again_to_the_same_numbers(tmp_path, capfd, monkeypatch):
+    spec, scale, out = tmp_path / "tiny.yaml", tmp_path / "cpu1.yaml", tmp_path / "results"
+    root = tmp_path / "root"
+    spec.write_text(SPEC.replace("  - norm=ln data.batch_size=5000", "  # removed"))
+    scale.write_text(SCALE)
+    monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(root))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    args = ("run", str(spec), "--scale", str(scale), "--out", str(out))
+    assert in_process(capfd, cli.main, *args)[0] == 0
+    top1 = md_cells((out / "tiny.md").read_text())["dyt tanh"][2]
+    tanh, identity = record_dirs(root)
+    before = (identity / "summary.json").stat().st_mtime_ns
+    shutil.rmtree(tanh)
+    code, again = in_process(capfd, cli.main, *args)
+    assert code == 0, again[-2000:]
+    assert "1 done (skipped), 1 to run" in again and "Launching 1 jobs" in again
+    assert (tanh / "summary.json").is_file() and (identity / "summary.json").stat().st_mtime_ns == before
+    assert md_cells((out / "tiny.md").read_text())["dyt tanh"][2] == top1  # same seed, same numbers
 
 
 PAIR = """
