@@ -9,7 +9,7 @@ import torch
 
 from normexp.norms import TokenLayout, list_norms, norm_layer_factory
 
-ALL = ["ln", "rms", "dyt", "dtn", "bn", "in", "gn", "scale", "power", "derf", "sn"]
+ALL = ["ln", "rms", "dyt", "dtn", "bn", "in", "gn", "scale", "power", "derf", "sn", "pointwise"]
 
 
 def test_registry_lists_all():

@@ -1,0 +1,96 @@
+"""Point-wise normalizers: ``gamma * f(alpha * x + s) + beta`` with one function ``f`` from a family, scalar
+``alpha`` and shift ``s`` (learnable; init 0.5 and 0) and ``gamma`` / ``beta`` per channel -- the functions
+Derf's search compares (Chen et al., arXiv 2512.10938, Sec. 4 and Table 7; zlab-princeton/Derf
+``ViT/other_functions/*.py``, ``DiT/other_functions/*.py``, whose ``--normtype`` names ``fn`` takes). No
+statistics, like DyT.
+
+``fn=erf`` is Derf (``norm=derf`` is this layer with ``fn`` fixed), ``fn=tanh`` is Table 7's tanh row: DyT
+with Derf's shift (``norm=dyt`` is DyT as its paper has it, without one). ``learnable_shift=false`` drops the
+shift (Derf Sec. 7's ablation). ``fn=dyisru`` is DyISRU (Stollenwerk, arXiv 2503.21708), the element-wise
+counterpart of RMSNorm: ``gamma * sqrt(C) x / sqrt(b + x^2) + beta`` with one learnable scalar ``b`` (the
+paper trains no model and gives no init: ours is ``beta0``, default C -- RMSNorm's denominator for
+unit-variance inputs -- so that the layer starts as the identity near 0); it has no alpha and no shift.
+
+Two functions have an infinite slope at exactly 0 (``exproot``, ``power23_clip``): their gradient there is
+NaN, in Derf's code and here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .functional import channel_affine, check_data_format, output_dtype
+from .registry import register_norm
+
+
+def _sign_log1p_abs(u: torch.Tensor) -> torch.Tensor:
+    return torch.sign(u) * torch.log(u.abs() + 1)
+
+
+def _saturlog(u: torch.Tensor) -> torch.Tensor:
+    log = torch.log(u.abs() + 1)
+    return torch.sign(u) * log / (log + 1)
+
+
+# f(u), u = alpha * x + s: each as zlab-princeton/Derf other_functions/<name>.py computes it
+FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "erf": torch.erf,
+    "tanh": torch.tanh,
+    "satursin": lambda u: torch.sin(torch.clip(u, -math.pi / 2, math.pi / 2)),
+    "isru": lambda u: u / torch.sqrt(u * u + 1),
+    "expsign": lambda u: torch.sign(u) * (1 - torch.exp(-u.abs())),
+    "smoothsign": lambda u: u / (1 + u.abs()),
+    "relsign": lambda u: u / (torch.sqrt(u * u + 1) + 1),
+    "cubsign": lambda u: u ** 3 / (u.abs() ** 3 + 1),
+    "exproot": lambda u: torch.sign(u) * (1 - torch.exp(-torch.sqrt(u.abs()))),
+    "saturlog": _saturlog,
+    "arctan": lambda u: torch.atan(u) * (2 / math.pi),
+    "linear_clip": lambda u: torch.clip(u, -1, 1),
+    "power23_clip": lambda u: torch.clip(torch.sign(u) * u.abs() ** (2 / 3), -1, 1),
+    "logsign_clip": lambda u: torch.clip(_sign_log1p_abs(u), -1, 1),
+    "smoothsign_clip": lambda u: torch.clip(u / (1 + u.abs()), -1, 1),
+    "logquad_clip": lambda u: torch.clip(torch.sign(u) * torch.log(u * u + 1), -1, 1),
+}
+FN_CHOICES = sorted([*FUNCTIONS, "dyisru"])
+
+
+@register_norm("pointwise")
+class PointWise(nn.Module):
+    hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {
+        "fn": {"choices": FN_CHOICES}, "alpha0": {"above": 0}, "beta0": {"above": 0}}
+
+    def __init__(self, dim: int, fn: str = "erf", alpha0: float = 0.5, shift0: float = 0.0,
+                 learnable_shift: bool = True, beta0: float | None = None,
+                 data_format: str = "channels_last") -> None:
+        super().__init__()
+        if fn not in FN_CHOICES:
+            raise ValueError(f"point-wise fn must be one of {FN_CHOICES}, got '{fn}'")
+        self.dim, self.fn = dim, fn
+        self.data_format = check_data_format(data_format)
+        if fn == "dyisru":
+            self.beta = nn.Parameter(torch.full((1,), float(dim if beta0 is None else beta0)))
+        else:
+            self.alpha = nn.Parameter(torch.full((1,), float(alpha0)))
+            if learnable_shift:
+                self.shift = nn.Parameter(torch.full((1,), float(shift0)))
+            else:
+                self.register_buffer("shift", torch.full((1,), float(shift0)))
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fn == "dyisru":
+            y = math.sqrt(self.dim) * x * torch.rsqrt(self.beta + x * x)
+        else:
+            y = FUNCTIONS[self.fn](self.alpha * x + self.shift)
+        return channel_affine(y, self.weight, self.bias, self.data_format).to(output_dtype(x))
+
+    def extra_repr(self) -> str:
+        scalars = (f"beta={self.beta.item():.3g}" if self.fn == "dyisru" else
+                   f"alpha={self.alpha.item():.3g}, shift={self.shift.item():.3g}")
+        return f"{self.dim}, fn={self.fn}, {scalars}, data_format={self.data_format}"
