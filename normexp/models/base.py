@@ -18,6 +18,9 @@ constructors and one yaml per size in ``configs/backbone/``. The rest of the sui
   1-D parameters and biases, which timm's optimizer factory always exempts).
 * ``fixed_input_size``: ``(H, W)`` when the model only accepts that input size (dense tasks resize every
   image to it), else None.
+* ``residual_scales``: fnmatch patterns (relative to the model) of the modules whose output is a residual
+  branch's up to a per-channel or scalar factor -- each block's attention and MLP: where a
+  normalization-free rule scales the branches (``norm=skipinit``'s gates).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Backbone(nn.Module):
     feature_strides: list[int]
     norm_keep: Sequence[str] = ()
     fixed_input_size: tuple[int, int] | None = None
+    residual_scales: Sequence[str] = ()
 
     def features(self, x: torch.Tensor) -> list[torch.Tensor]:
         """NCHW maps at ``feature_strides``, finest first."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..errors import UserError
-from ..norms import norm_layer_factory, replace_norms
+from ..norms import get_norm_class, norm_layer_factory, replace_norms
 from .registry import create_model
 
 
@@ -45,8 +46,9 @@ def backbone_arguments(backbone_cfg: DictConfig | dict, dense: bool = False) -> 
 def build_model(constructor: Callable[[], nn.Module], norm_cfg: DictConfig | dict, what: str) -> nn.Module:
     """``constructor()`` -- a model as its papers define it, with their norm layers -- with the configured
     normalizer in its norm slots (``norm.placement``: which), one placement walk over the whole model (a
-    backbone, or a task's model around one: an autoencoder's decoder, a self-distillation head). A model
-    the normalizer cannot fill is one line naming ``what``."""
+    backbone, or a task's model around one: an autoencoder's decoder, a self-distillation head), then the
+    normalizer's rule for the whole model if it has one (``adapt_model``: a normalization-free method's). A
+    model the normalizer cannot fill is one line naming ``what``."""
     norm_name, hparams, placement = norm_settings(norm_cfg)
     unknown = sorted(set(placement) - {"keep", "first_blocks"})
     if unknown:
@@ -55,6 +57,9 @@ def build_model(constructor: Callable[[], nn.Module], norm_cfg: DictConfig | dic
         model = constructor()
         replace_norms(model, norm_layer_factory(norm_name, **hparams), keep=placement.get("keep") or (),
                       first_blocks=placement.get("first_blocks"))
+        rule = getattr(get_norm_class(norm_name), "adapt_model", None)  # a normalization-free method's
+        if rule is not None:
+            rule(model, **{k: v for k, v in hparams.items() if k in inspect.signature(rule).parameters})
     except (ValueError, TypeError, AssertionError) as e:
         raise UserError(f"cannot build {what} with norm '{norm_name}': {e}") from e
     return model

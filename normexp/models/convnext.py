@@ -59,6 +59,8 @@ def convnext_heads(channels: int) -> int:
 class ConvNeXt(TimmConvNeXt, Backbone):
     """timm's ConvNeXt with the backbone contract: norm context per slot, ``features()``."""
 
+    residual_scales = ("stages.*.blocks.*.mlp",)  # the branch: depthwise conv, norm, MLP, layer scale
+
     def __init__(self, img_size: int | tuple[int, int] = 224, feature_norms: bool = False,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -118,6 +118,8 @@ class DiT(nn.Module):
     """``forward(x, t, y)``: noisy inputs (B, C, H, W), steps (B,), labels (B,) -> (B, 2C or C, H, W).
     ``input_size``: H = W of what it denoises (DiT's name: the latent size, 32 for 256 px images)."""
 
+    residual_scales = ("blocks.*.attn", "blocks.*.mlp")  # before adaLN's gates
+
     task = "dit"  # the task its forward serves (not an image classifier)
 
     def __init__(self, input_size: int = 32, patch_size: int = 2, in_chans: int = 4, hidden_size: int = 1152,

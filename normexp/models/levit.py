@@ -148,6 +148,8 @@ class _SubsampleGridHook:
 class _LeViTNorms:
     """What our LeViT adds to timm's: token-aware norm slots, norm context, size check, features()."""
 
+    residual_scales = ("stages.*.blocks.*.attn", "stages.*.blocks.*.mlp", "stages.*.downsample.mlp")
+
     def __init__(self, img_size: int | tuple[int, int] = 224, stem_stride: int = 16,
                  act_layer: str = "hard_swish", use_conv: bool = False, **kwargs: Any) -> None:
         if use_conv:

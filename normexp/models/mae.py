@@ -104,6 +104,8 @@ def masked_loss(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tens
 class MaskedAutoencoder(nn.Module):
     """MAE around ``encoder`` (a normexp ViT built without a head); see the module docstring."""
 
+    residual_scales = ("decoder_blocks.*.attn", "decoder_blocks.*.mlp")  # the encoder declares its own
+
     def __init__(self, encoder: nn.Module, decoder_dim: int = 512, decoder_depth: int = 8,
                  decoder_heads: int = 16, mask_ratio: float = 0.75, norm_pix_loss: bool = True,
                  mlp_ratio: float = 4.0) -> None:

@@ -137,6 +137,8 @@ class PyramidVisionTransformer(Backbone):
     """PVT v1 (see the module docstring). ``features(x)`` returns the 4 stage maps (NCHW, strides
     ``feature_strides``)."""
 
+    residual_scales = ("block[1-4].*.attn", "block[1-4].*.mlp")
+
     def __init__(
         self,
         img_size: int | tuple[int, int] = 224,

@@ -46,6 +46,8 @@ from .registry import register_model
 class PVTv2(PyramidVisionTransformerV2, Backbone):
     """timm's PVT v2 that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
+    residual_scales = ("stages.*.blocks.*.attn", "stages.*.blocks.*.mlp")
+
     def __init__(self, img_size: int | tuple[int, int] = 224, stem_patch_size: int = 7, stem_stride: int = 4,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -78,6 +78,8 @@ class PadThenShiftBlock(timm_swin.SwinTransformerBlock):
 class Swin(timm_swin.SwinTransformer, Backbone):
     """timm's Swin that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
+    residual_scales = ("layers.*.blocks.*.attn", "layers.*.blocks.*.mlp")
+
     def __init__(self, feature_norms: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         for stage in self.layers:

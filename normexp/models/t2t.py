@@ -210,6 +210,8 @@ class TokensToToken(nn.Module):
 class T2TViT(PlainBackbone):
     """T2T-ViT: the tokens-to-token module, then a class-token ViT with a fixed sinusoidal position table."""
 
+    residual_scales = ("blocks.*.attn", "blocks.*.mlp")  # the ViT blocks (the T2T layers keep theirs)
+
     def __init__(
         self,
         img_size: int = 224,

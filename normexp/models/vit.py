@@ -42,6 +42,8 @@ from .registry import register_model
 class ViT(VisionTransformer, PlainBackbone):
     """timm's ViT that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
+    residual_scales = ("blocks.*.attn", "blocks.*.mlp")
+
     def __init__(self, dtn_blocks: int | None = None, pyramid_scales: tuple[float, ...] | None = None,
                  **kwargs: Any) -> None:
         if dtn_blocks is not None:

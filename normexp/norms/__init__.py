@@ -1,6 +1,6 @@
 """Normalizers, one file each, behind one registry (``norm=<name>``)."""
 
-from . import batch, derf, dtn, dyt, group, instance, ln, pointwise, power, rms, scale, sn  # noqa: F401  (importing registers them)
+from . import batch, derf, dtn, dyt, group, instance, ln, normfree, pointwise, power, rms, scale, sn  # noqa: F401  (importing registers them)
 from .layout import TokenLayout
 from .placement import replace_norms
 from .registry import get_norm_class, list_norms, norm_layer_factory, register_norm

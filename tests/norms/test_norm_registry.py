@@ -9,7 +9,8 @@ import torch
 
 from normexp.norms import TokenLayout, list_norms, norm_layer_factory
 
-ALL = ["ln", "rms", "dyt", "dtn", "bn", "in", "gn", "scale", "power", "derf", "sn", "pointwise"]
+ALL = ["ln", "rms", "dyt", "dtn", "bn", "in", "gn", "scale", "power", "derf", "sn", "pointwise", "none",
+       "skipinit"]
 
 
 def test_registry_lists_all():

@@ -1,0 +1,73 @@
+"""Normalization-free baselines (DyT Table 9, arXiv 2503.10622 Sec. 6.3): the identity in every norm slot,
+then the method's rule applied to the built model (``adapt_model``, called by
+:func:`normexp.models.build.build_model` after the placement).
+
+- ``norm=none``: the identity, nothing else.
+- ``norm=skipinit`` (De & Smith 2020, arXiv 2002.10444, Sec. 4; as ReZero, arXiv 2003.04887, puts it in
+  Transformers): one learnable scalar gate, at ``gate0`` (0), on every residual branch, so the network starts
+  as the identity on its residual stream. DyT released no code for it; ours scales the output of each block's
+  attention and MLP (the modules a model names in ``residual_scales``; a branch's later per-channel factors --
+  LayerScale, drop path, DiT's adaLN gate -- commute with the scalar), as a forward hook, so the model's
+  parameter names stay its own (plus ``<branch>.skip_gate``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+
+from .functional import check_data_format
+from .registry import register_norm
+
+
+@register_norm("none")
+class NoNorm(nn.Module):
+    """The identity in a norm slot (it keeps the slot's data format for the placement's records)."""
+
+    def __init__(self, dim: int, data_format: str = "channels_last") -> None:
+        super().__init__()
+        self.dim, self.data_format = dim, check_data_format(data_format)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, identity"
+
+
+def residual_branches(model: nn.Module) -> list[str]:
+    """The modules of ``model`` whose output is a residual branch's: every submodule's ``residual_scales``
+    patterns, relative to it (a task's model around a backbone: both declare theirs)."""
+    modules = dict(model.named_modules())
+    names: set[str] = set()
+    for prefix, module in modules.items():
+        for pattern in getattr(module, "residual_scales", ()):
+            full = f"{prefix}.{pattern}" if prefix else pattern
+            names.update(n for n in modules if fnmatch.fnmatchcase(n, full))
+    return [n for n in modules if n in names]
+
+
+def _gated(module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+    return module.skip_gate * output
+
+
+@register_norm("skipinit")
+class SkipInit(NoNorm):
+    """The identity in a norm slot; :meth:`adapt_model` puts the gates on the branches."""
+
+    def __init__(self, dim: int, gate0: float = 0.0, data_format: str = "channels_last") -> None:
+        super().__init__(dim, data_format)
+
+    @staticmethod
+    def adapt_model(model: nn.Module, gate0: float = 0.0) -> None:
+        names = residual_branches(model)
+        if not names:
+            raise ValueError(f"norm=skipinit gates residual branches, and {type(model).__name__} names none "
+                             "(residual_scales in normexp/models/base.py)")
+        for name in names:
+            branch = model.get_submodule(name)
+            branch.register_parameter("skip_gate", nn.Parameter(torch.full((1,), float(gate0))))
+            branch.register_forward_hook(_gated)
