@@ -320,16 +320,20 @@ def plot_bars(result: TableResult, path: Path) -> None:
     def member(row: Row) -> tuple[str, ...]:
         return tuple(str(row.labels[k]) for k in spec.label_keys if k != group_key)
 
-    styles = member_styles((r.norm, member(r)) for r in rows)
+    def styled(row: Row) -> tuple[str | None, tuple[str, ...]]:  # one member of two normalizers: two styles
+        return row.norm, member(row)
+
+    styles = member_styles((r.norm, styled(r)) for r in rows)
     width = 0.8 / max((len(m) for m in members.values()), default=1)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * len(rows) + 2), 4.2))
-    labelled: set[tuple[str, ...]] = set()
+    labelled: set[tuple[str | None, tuple[str, ...]]] = set()
     for i, group in enumerate(groups):
         for j, row in enumerate(members[group]):  # the group's bars side by side, centred on its tick
-            cell, style = row.cells[metric.key], styles[member(row)]
+            cell, style = row.cells[metric.key], styles[styled(row)]
             x = i + width * (j - (len(members[group]) - 1) / 2)
-            label = None if member(row) in labelled else _member_label(spec, group_key, member(row))
-            labelled.add(member(row))
+            label = None if styled(row) in labelled else _member_label(spec, group_key, member(row))
+            label = None if label in ("—", "None") else label  # no variant: the tick names the bar
+            labelled.add(styled(row))
             ax.bar(x, cell.mean or 0, width, yerr=cell.std or 0, color=style["color"], hatch=style["hatch"],
                    edgecolor="white", linewidth=0.5, capsize=3, label=label)
             if isinstance(cell.paper, (int, float)):
