@@ -28,9 +28,16 @@ HEAVY = {"vit_large", "convnext_base", "convnext_large"}
 PAPERS_NORMS = {"ln", "dtn", "dyt"}
 
 
+# normalizers whose default build runs another's code: pointwise is fn=erf, Derf's layer; none is skipinit
+# without its gates -- slow tier only
+SAME_CODE_AS = {"pointwise": "derf", "none": "skipinit"}
+
+
 def fast(name: str, norm: str | None = None) -> bool:
-    """In the fast suite: the micro members with every normalizer, the smallest published sizes with the
-    papers' normalizers."""
+    """In the fast suite: the micro members with every normalizer (but those of ``SAME_CODE_AS``), the
+    smallest published sizes with the papers' normalizers."""
+    if norm in SAME_CODE_AS:
+        return False
     return name.endswith("_micro") or name in FAST and (norm is None or norm in PAPERS_NORMS)
 
 

@@ -2,8 +2,8 @@
 recorded as a result, a failing run that does not stop the others, re-runs that skip what is done, and
 ``normexp compare`` agreeing with the rendered table.
 
-The first ``table run`` is the command line itself; the re-runs call the same entry points in-process (the
-runs they launch are still ``python -m normexp`` multiruns)."""
+The ``table run``s call the command's entry point in-process (the runs they launch are still ``python -m
+normexp`` multiruns; the command line itself: the slow two-planner test)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT
 
 from normexp import compare
 from normexp.tables import cli
@@ -68,9 +68,11 @@ def test_table_runs_skips_and_plans_what_is_missing(tmp_path, capfd, monkeypatch
     args = ("run", str(spec), "--scale", str(scale), "--out", str(out))
     root = tmp_path / "ünïcödé"
 
-    first = run_cli("table", *args, env={"NORMEXP_OUTPUT_DIR": str(root)})
-    assert first.returncode == 1, first.stderr[-2000:]  # a run failed: the table is written all the same
-    assert "hydra/sweeper=table" in first.stdout and "Launching 3 jobs" in first.stdout + first.stderr
+    monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(root))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    code, first = in_process(capfd, cli.main, *args)
+    assert code == 1, first[-2000:]  # a run failed: the table is written all the same
+    assert "hydra/sweeper=table" in first and "Launching 3 jobs" in first
     cells = md_cells((out / "tiny.md").read_text())
     assert cells["dyt identity"][2].startswith("diverged@")
     assert int(cells["dyt identity"][2].removeprefix("diverged@")) <= 10
@@ -81,8 +83,6 @@ def test_table_runs_skips_and_plans_what_is_missing(tmp_path, capfd, monkeypatch
         assert (out / f"tiny{suffix}").stat().st_size > 0
 
     # without the failing block every run is done: nothing is launched
-    monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(root))
-    monkeypatch.setenv("WANDB_SILENT", "true")
     spec.write_text(SPEC.replace("  - norm=ln data.batch_size=5000", "  # removed"))
     code, again = in_process(capfd, cli.main, *args)
     assert code == 0, again[-2000:]
