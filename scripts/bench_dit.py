@@ -31,8 +31,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_pretrain import compose_cfg, interleaved, report_header, write_report  # noqa: E402
 
 from normexp.diffusion import GaussianDiffusion  # noqa: E402
+from normexp.models import build_backbone  # noqa: E402
 from normexp.norms import kernels  # noqa: E402
-from normexp.tasks.dit import build_dit, with_model_input  # noqa: E402
+from normexp.tasks.dit import with_model_input  # noqa: E402
 
 kernels.COMPILE_AFTER_CALLS = 0  # the steady state of a long run: fused kernels from the first (warm-up) step
 
@@ -41,7 +42,7 @@ def dit_step(backbone: str, norm: str, batch: int, input_size: int, device: torc
              amp: str | None = None) -> Callable[[], None]:
     cfg = with_model_input(compose_cfg("experiment=dit_imagenet", f"backbone={backbone}", f"norm={norm}",
                                        "logger=none", f"data.img_size={8 * input_size}"))
-    model = build_dit(cfg).to(device).train()
+    model = build_backbone(cfg.backbone, cfg.norm).to(device).train()
     ema = copy.deepcopy(model).requires_grad_(False)
     optimizer = create_optimizer_v2(model, opt="adamw", lr=4e-4, weight_decay=0.0)
     diffusion = GaussianDiffusion.create(1000)
