@@ -17,7 +17,7 @@ NORM_COLORS: dict[str, str] = {
     "ln": "#1f77b4", "dtn": "#ff7f0e", "dyt": "#2ca02c", "bn": "#d62728", "rms": "#9467bd",
     "derf": "#8c564b", "in": "#e377c2", "gn": "#7f7f7f", "sn": "#bcbd22", "scale": "#17becf",
     "power": "#393b79", "pointwise": "#ad494a", "none": "#000000",
-    "skipinit": "#e7969c",
+    "skipinit": "#e7969c", "fixup": "#ce6dbd", "sigma_reparam": "#6b6ecf",
 }
 # colours for normalizers not listed above (a plugin's): chosen by a hash of the name, so still stable
 _SPARE = ("#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354", "#756bb1")

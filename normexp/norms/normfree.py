@@ -50,6 +50,16 @@ def residual_branches(model: nn.Module) -> list[str]:
     return [n for n in modules if n in names]
 
 
+def branch_modules(model: nn.Module, method: str) -> list[nn.Module]:
+    """The residual branches of ``model`` (:func:`residual_branches`) for a normalization-free ``method``,
+    which cannot apply to a model that names none."""
+    names = residual_branches(model)
+    if not names:
+        raise ValueError(f"{method} works on residual branches, and {type(model).__name__} names none "
+                         "(residual_scales in normexp/models/base.py)")
+    return [model.get_submodule(name) for name in names]
+
+
 def _gated(module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
     return module.skip_gate * output
 
@@ -63,11 +73,6 @@ class SkipInit(NoNorm):
 
     @staticmethod
     def adapt_model(model: nn.Module, gate0: float = 0.0) -> None:
-        names = residual_branches(model)
-        if not names:
-            raise ValueError(f"norm=skipinit gates residual branches, and {type(model).__name__} names none "
-                             "(residual_scales in normexp/models/base.py)")
-        for name in names:
-            branch = model.get_submodule(name)
+        for branch in branch_modules(model, "norm=skipinit"):
             branch.register_parameter("skip_gate", nn.Parameter(torch.full((1,), float(gate0))))
             branch.register_forward_hook(_gated)

@@ -10,7 +10,7 @@ import torch
 from normexp.norms import TokenLayout, list_norms, norm_layer_factory
 
 ALL = ["ln", "rms", "dyt", "dtn", "bn", "in", "gn", "scale", "power", "derf", "sn", "pointwise", "none",
-       "skipinit"]
+       "skipinit", "fixup", "sigma_reparam"]
 
 
 def test_registry_lists_all():

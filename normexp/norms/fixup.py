@@ -1,0 +1,91 @@
+"""Fixup (Zhang et al. 2019, arXiv 1901.09321, Sec. 3) adapted to Transformers, the initialization-based
+baseline of DyT Table 9 (arXiv 2503.10622 Sec. 6.3): no normalization, the branch weights rescaled, scalar
+multipliers and biases. DyT released no code for it; this is what ``norm=fixup`` does to the built model
+(:meth:`Fixup.adapt_model`), with L the number of residual branches (each block's attention and MLP: the
+modules a model names in ``residual_scales``) and m the number of weight layers on a branch's value path:
+
+1. the last weight layer of every branch (the attention's output projection, the MLP's second layer) and
+   the classifier (``get_classifier()``) start at zero, so the network starts as the identity on its
+   residual stream;
+2. every other weight layer on the value path is scaled by ``L ** (-1 / (2m - 2))`` -- for a ViT (m = 2:
+   value then output projection; first then second MLP layer) ``L ** -0.5``. The query and key
+   projections (the first two thirds of a fused ``qkv``, the first half of a fused ``kv``, a ``q``) keep
+   their initialisation, as T-Fixup (Huang et al. 2020, ICML) does: they set where attention looks, not the
+   branch's scale;
+3. a learnable scalar bias (0) before every weight layer and activation of a branch, and a learnable scalar
+   multiplier (1) and bias (0) on its output, as forward hooks, so the model's parameter names stay its own
+   (plus ``fixup_bias`` / ``fixup_scale`` on those modules).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .normfree import NoNorm, branch_modules
+from .registry import register_norm
+
+WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
+ACTIVATIONS = (nn.GELU, nn.ReLU, nn.SiLU, nn.Hardswish, nn.ReLU6, nn.Tanh)
+QUERY_KEY = ("q", "k")  # projections that only feed the attention's weights
+
+
+def _shift_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] + module.fixup_bias, *args[1:])
+
+
+def _scale_output(module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+    return module.fixup_scale * output + module.fixup_bias
+
+
+def _scalar(value: float) -> nn.Parameter:
+    return nn.Parameter(torch.full((1,), float(value)))
+
+
+def value_rows(name: str, layer: nn.Module) -> slice:
+    """The output rows of ``layer`` on the branch's value path: a fused ``qkv``'s last third, a fused
+    ``kv``'s second half ([q; k; v] and [k; v] as timm's attention splits them), else all."""
+    leaf, rows = name.rsplit(".", 1)[-1], layer.weight.shape[0]
+    if leaf == "qkv" and rows % 3 == 0:
+        return slice(2 * rows // 3, rows)
+    if leaf == "kv" and rows % 2 == 0:
+        return slice(rows // 2, rows)
+    return slice(0, rows)
+
+
+@register_norm("fixup")
+class Fixup(NoNorm):
+    """The identity in a norm slot; :meth:`adapt_model` applies Fixup's rules (module docstring)."""
+
+    @staticmethod
+    def adapt_model(model: nn.Module) -> None:
+        branches = branch_modules(model, "norm=fixup")
+        depth = len(branches)
+        for branch in branches:
+            layers = [(n, m) for n, m in branch.named_modules() if isinstance(m, WEIGHT_LAYERS)]
+            path = [(n, m) for n, m in layers if n.rsplit(".", 1)[-1] not in QUERY_KEY]
+            if not path:
+                raise ValueError(f"norm=fixup: a residual branch ({type(branch).__name__}) has no weights")
+            scale = depth ** (-1 / (2 * len(path) - 2)) if len(path) > 1 else 1.0
+            with torch.no_grad():
+                for name, layer in path[:-1]:
+                    layer.weight[value_rows(name, layer)] *= scale
+                last = path[-1][1]
+                last.weight.zero_()
+                if last.bias is not None:
+                    last.bias.zero_()
+            activations = [m for m in branch.modules() if isinstance(m, ACTIVATIONS)]
+            for module in [m for _, m in layers] + activations:
+                module.register_parameter("fixup_bias", _scalar(0.0))
+                module.register_forward_pre_hook(_shift_input)
+            branch.register_parameter("fixup_scale", _scalar(1.0))
+            branch.register_parameter("fixup_bias", _scalar(0.0))
+            branch.register_forward_hook(_scale_output)
+        classifier = model.get_classifier() if hasattr(model, "get_classifier") else None
+        if isinstance(classifier, nn.Linear):
+            with torch.no_grad():
+                classifier.weight.zero_()
+                if classifier.bias is not None:
+                    classifier.bias.zero_()

@@ -1,0 +1,99 @@
+"""sigma-Reparam (Zhai et al. 2023, arXiv 2303.06296, Sec. 3), the weight-normalization-based baseline of
+DyT Table 9 (arXiv 2503.10622 Sec. 6.3): every norm slot the identity, and every Linear and Conv weight W
+used as ``gamma / sigma(W) * W``, sigma(W) its spectral norm and gamma a learnable scalar.
+
+As apple/ml-sigma-reparam ``vision/layers.py`` (``convert_to_sn``, ``SNLinear``, ``SpectralNormedWeight``)
+does it: sigma from an SVD at conversion, then one power-iteration step per training forward (the singular
+vector ``u`` a buffer, updated in training only, no gradient through it; sigma itself is differentiated
+through ``v^T W u``); gamma starts at the initial sigma; a converted layer is re-initialised as a new
+``SNLinear`` is -- weight trunc-normal(0.02 x gain), bias PyTorch's default (``reinit``; off: the model's
+own initialisation); a conv's weight is its (out, in x k x k) matrix. Ours is a
+``torch.nn.utils.parametrize`` parametrization of the weight (``<layer>.parametrizations.weight``), with the
+power iteration in float32 under autocast as the repository's ``FP32SpectralNormedWeight``. The classifier
+stays plain (``plain``): the repository's ``vision/vit.py`` converts a ViT built without one.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .normfree import NoNorm
+from .registry import register_norm
+
+CONVERTED = (nn.Linear, nn.Conv2d)
+
+
+class SpectralReparam(nn.Module):
+    """The parametrization ``W -> gamma / sigma(W) * W`` of one weight."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        matrix = weight.detach().flatten(1).float()
+        if matrix.is_meta:  # a dry build: no values to decompose
+            u, sigma = torch.empty(matrix.shape[1], device="meta"), torch.empty((), device="meta")
+        else:
+            _, singular, vh = torch.linalg.svd(matrix, full_matrices=False)
+            u, sigma = vh[0], singular[0]
+            if sigma == 0:
+                raise ValueError("a weight is all zeros at conversion (spectral norm 0): norm.reinit=true "
+                                 "re-initialises every converted layer, as apple/ml-sigma-reparam does")
+        self.register_buffer("u", u)
+        self.register_buffer("sigma", sigma.reshape(1).clone())  # the latest estimate, for logging
+        self.gamma = nn.Parameter(sigma.reshape(1).clone())
+
+    def spectral_norm(self, weight: torch.Tensor) -> torch.Tensor:
+        """sigma(W) from one power-iteration step from ``u`` (kept in training), differentiable in W."""
+        with torch.autocast("cuda" if weight.is_cuda else "cpu", enabled=False):
+            matrix = weight.flatten(1).float()
+            with torch.no_grad():
+                v = F.normalize(matrix.mv(self.u), dim=0)
+                u = F.normalize(matrix.t().mv(v), dim=0)
+                if self.training:
+                    self.u.copy_(u)
+            sigma = torch.einsum("c,cd,d->", v, matrix, u)
+            if self.training:
+                self.sigma.copy_(sigma.detach())
+        return sigma
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (self.gamma / self.spectral_norm(weight)).to(weight.dtype)
+
+
+def reinitialise(layer: nn.Module, gain: float) -> None:
+    """A new ``SNLinear`` / ``SNConv2d``'s parameters: weight trunc-normal(0.02 x gain), bias uniform in
+    +-1/sqrt(fan_in) (``nn.Linear``'s default, which ``SNLinear`` leaves)."""
+    nn.init.trunc_normal_(layer.weight, std=0.02 * gain)
+    if layer.bias is not None:
+        fan_in = layer.weight[0].numel()
+        nn.init.uniform_(layer.bias, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+
+
+@register_norm("sigma_reparam")
+class SigmaReparam(NoNorm):
+    """The identity in a norm slot; :meth:`adapt_model` reparametrizes every Linear and Conv2d weight."""
+
+    hparam_checks = {"linear_init_gain": {"above": 0}, "conv_init_gain": {"above": 0}}
+
+    def __init__(self, dim: int, reinit: bool = True, linear_init_gain: float = 1.0,
+                 conv_init_gain: float = 1.0, plain: tuple[str, ...] = ("head",),
+                 data_format: str = "channels_last") -> None:
+        super().__init__(dim, data_format)
+
+    @staticmethod
+    def adapt_model(model: nn.Module, reinit: bool = True, linear_init_gain: float = 1.0,
+                    conv_init_gain: float = 1.0, plain: tuple[str, ...] = ("head",)) -> None:
+        layers = [(n, m) for n, m in model.named_modules() if isinstance(m, CONVERTED)
+                  and not any(fnmatch.fnmatchcase(n, p) for p in plain)]
+        for name, layer in layers:
+            if reinit:
+                reinitialise(layer, linear_init_gain if isinstance(layer, nn.Linear) else conv_init_gain)
+            try:
+                parametrize.register_parametrization(layer, "weight", SpectralReparam(layer.weight))
+            except ValueError as e:
+                raise ValueError(f"norm=sigma_reparam, layer {name}: {e}") from None
