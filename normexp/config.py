@@ -144,6 +144,7 @@ class TrainerSchema:
     opt: str = _check(check=_optimizer)
     lr: float = _check(above=0)
     lr_base_size: int | None = _check(**rng(1))
+    lr_factor: float = _check(above=0)
     lr_scale_warmup_min: bool
     weight_decay: float = _check(**rng(0))
     decay_norm_and_bias: bool

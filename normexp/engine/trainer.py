@@ -95,7 +95,7 @@ class Trainer:
         # layer_decay: each parameter's lr scaled by layer_decay^(depth - its layer), timm's
         # param_groups_layer_decay (the layers of MAE's lr_decay.py; README: fine-tuning)
         self.optimizer = create_optimizer_v2(
-            params, opt=cfg.opt, lr=self.scaled_lr(cfg.lr), weight_decay=cfg.weight_decay,
+            params, opt=cfg.opt, lr=self.scaled_lr(cfg.lr) * cfg.lr_factor, weight_decay=cfg.weight_decay,
             eps=cfg.opt_eps, betas=tuple(cfg.betas), layer_decay=cfg.layer_decay,
         )
         self.scheduler = self.build_scheduler()

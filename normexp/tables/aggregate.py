@@ -8,6 +8,10 @@ sample std and n, and one marker per run that did not: ``diverged@<step>`` (a re
 non-finite at that step), ``failed: <first line of the error>``, ``running``, or ``missing`` (no record).
 Deltas are taken against the spec's baseline row (same labels except what the baseline rule sets): ours
 from the two means, the paper's from its two published values.
+
+In a ``best_of`` table a row's runs sweep one setting (its lr): the row's cells are those of the value whose
+mean of the chosen metric is best among the values with a completed run (``Row.choice``); every value's
+result, diverged ones included, stays in ``Row.sweep``.
 """
 
 from __future__ import annotations
@@ -104,6 +108,15 @@ class Row:
     points: list[tuple[Point, PlannedRun]]
     cells: dict[str, Cell] = field(default_factory=dict)
     same_as: Row | None = field(default=None, repr=False)  # an earlier row served by exactly these runs
+    sweep: dict[Any, Cell] = field(default_factory=dict)  # best_of: each value's cell of the chosen metric
+    choice: Any = None  # best_of: the value the cells show (None: no value has a result)
+
+    @property
+    def shown(self) -> list[tuple[Point, PlannedRun]]:
+        """The runs the row's cells are made of: its chosen value's in a best_of table, else all."""
+        if not self.sweep or self.choice is None:
+            return self.points
+        return [(p, r) for p, r in self.points if p.choice == self.choice]
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -165,6 +178,9 @@ def aggregate(plan: TablePlan) -> TableResult:
     for point, run in plan.points:
         rows.setdefault(point.row_key, Row(dict(point.labels), [])).points.append((point, run))
     by_labels = {row.key: row for row in rows.values()}
+    if spec.best_of:
+        for row in rows.values():
+            choose(spec, row)
     for row in rows.values():
         base_labels = spec.baseline_of(row.labels)
         base = by_labels.get(tuple(str(v) for v in base_labels.values())) if base_labels else None
@@ -191,10 +207,24 @@ def aggregate(plan: TablePlan) -> TableResult:
     return result
 
 
+def choose(spec: TableSpec, row: Row) -> None:
+    """``row.sweep`` (each swept value's cell of the best_of metric) and ``row.choice``, the best value with
+    a result (the first of equals, in the blocks' order)."""
+    best = spec.best_of
+    metric = next(m for m in spec.metrics if m.key == best.metric)
+    for value in dict.fromkeys(p.choice for p, _ in row.points):
+        runs = Row(row.labels, [(p, r) for p, r in row.points if p.choice == value])
+        row.sweep[value] = _cell(spec, metric, runs, None)
+    scored = [(v, c.mean) for v, c in row.sweep.items() if c.mean is not None]
+    for value, mean in scored:
+        if row.choice is None or best.better(mean, row.sweep[row.choice].mean):
+            row.choice = value
+
+
 def _cell(spec: TableSpec, metric: Metric, row: Row, base: Row | None) -> Cell:
     cell = Cell(paper=spec.paper_value(row.labels, metric.key))
-    base_runs = {p.seed: r for p, r in base.points} if base is not None else {}
-    for point, run in sorted(row.points, key=lambda pr: pr[0].seed):
+    base_runs = {p.seed: r for p, r in base.shown} if base is not None else {}
+    for point, run in sorted(row.shown, key=lambda pr: pr[0].seed):
         mark = marker(run)
         if mark is not None:
             cell.markers.append(mark)

@@ -119,10 +119,12 @@ class TablePlan:
 
     def run_name(self, run: PlannedRun) -> str:
         """What dashboards call ``run``: ``<table>/<its row labels>/s<seed>``, e.g.
-        ``dyt_squash/ViT-S/tanh/s0`` (a label that differs between the rows one run serves lists them all:
-        ``ViT-S,ViT-B``)."""
+        ``dyt_squash/ViT-S/tanh/s0``, ``.../lr_factor=0.5/s0`` in a ``best_of`` table (a label that differs
+        between the rows one run serves lists them all: ``ViT-S,ViT-B``)."""
         labels = [",".join(dict.fromkeys(self.spec.display(k, p.labels[k]) for p in run.points))
                   for k in self.spec.label_keys]
+        if self.spec.best_of:  # the rows' sweep: one run per value
+            labels.append(f"{self.spec.best_of.key.split('.')[-1]}={run.points[0].choice}")
         return "/".join([self.spec.id, *labels, f"s{run.points[0].seed}"])
 
     def dashboard_metric(self, run: PlannedRun) -> str | None:
@@ -182,6 +184,8 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
         paper_cfg = _compose(compose, point.overrides, spec.id)
         point.task, point.backbone = paper_cfg.task.name, OmegaConf.select(paper_cfg, "backbone.name")
         point.labels = {key: OmegaConf.select(paper_cfg, key) for key in spec.label_keys}
+        if spec.best_of:
+            point.choice = OmegaConf.select(paper_cfg, spec.best_of.key)
         point.paper = resolved(paper_cfg)
         overrides = scale.apply(point.overrides, point.task) + list(extra)
         overrides, blocked, needs = _resolve_links(overrides, point, spec, scale, seeds, compose, root,

@@ -55,6 +55,23 @@ def delta(value: float | None, metric: Metric) -> str:
     return fmt(value, metric.fmt, signed=True) if value is not None else "—"
 
 
+def sweep_columns(result: TableResult) -> tuple[list[str], Callable[[Row], list[str]]]:
+    """A best_of table's two extra columns -- the chosen value, and every value's result
+    (``0.5: 72.1; 1: diverged@40``) -- and what they show for a row; none for other tables."""
+    spec = result.spec
+    if spec.best_of is None:
+        return [], lambda _row: []
+    key = spec.best_of.key
+    metric = next(m for m in spec.metrics if m.key == spec.best_of.metric)
+
+    def cells(row: Row) -> list[str]:
+        chosen = "—" if row.choice is None else spec.display(key, row.choice)
+        tried = "; ".join(f"{spec.display(key, v)}: {ours(c, metric)}" for v, c in row.sweep.items())
+        return [chosen, tried]
+
+    return [spec.header(key), f"{spec.header(key)} swept: {metric.label}"], cells
+
+
 # ---------------------------------------------------------------- provenance
 def provenance(result: TableResult) -> dict[str, Any]:
     records = [run.record for run in result.plan.runs if run.record is not None and run.record.damage is None]
@@ -98,6 +115,12 @@ def caption(result: TableResult) -> list[str]:
     if any(run.damaged for run in result.plan.runs):
         lines.append("`damaged`: a record that does not read back (`normexp table run` names what is wrong).")
     lines += shared_runs_notes(result)
+    if spec.best_of:
+        lines.append(f"Each row shows the best of its runs' `{spec.best_of.key}` values by "
+                     f"{next(m.label for m in spec.metrics if m.key == spec.best_of.metric)} (a diverged "
+                     "value is a result, never chosen); every value's result is in the swept column. The "
+                     "choice is made on the evaluation set, as a paper's search is: it favours the swept "
+                     "rows by the spread of their values.")
     if spec.paper_note:
         lines.append(f"Paper values: {spec.paper_note}")
     for name in result.derived_used:
@@ -194,13 +217,15 @@ def grid(result: TableResult) -> tuple[list[str], list[list[str]]]:
     shown = shows_run_as(result)
     if spec.columns:
         return _pivot_grid(result, shown)
-    header = [spec.header(k) for k in spec.rows] + (["run as"] if shown else [])
+    swept, sweep_cells = sweep_columns(result)
+    header = [spec.header(k) for k in spec.rows] + (["run as"] if shown else []) + swept
     for m in spec.metrics:
         header += [f"{m.label}", "paper"] + ([f"Δ {m.label}", "Δ paper"] if m.delta else [])
     body = []
     for row in result.rows:
         line = [spec.display(k, row.labels[k]) for k in spec.rows]
         line += [ran_as(result, row)] if shown else []
+        line += sweep_cells(row)
         for m in spec.metrics:
             cell = row.cells[m.key]
             line += [ours(cell, m), paper(cell, m)]
@@ -254,14 +279,16 @@ def to_csv(result: TableResult) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     keys = list(spec.label_keys)
-    writer.writerow(["table", "scale", *keys, "run_as", "same_runs_as", "metric", "mean", "std", "n",
+    swept = [spec.best_of.key] if spec.best_of else []  # the value a best_of row's cells are
+    writer.writerow(["table", "scale", *keys, *swept, "run_as", "same_runs_as", "metric", "mean", "std", "n",
                      "markers", "paper", "delta", "paper_delta"])
     for row in result.rows:
         same = row_label(result, row.same_as) if row.same_as is not None else ""
         for m in spec.metrics:
             cell = row.cells[m.key]
             writer.writerow([spec.id, result.plan.scale.name, *[row.labels[k] for k in keys],
-                             " ".join(row.run_as), same, m.key, _raw(cell.mean), _raw(cell.std), cell.n,
+                             *([row.choice] if swept else []), " ".join(row.run_as), same, m.key,
+                             _raw(cell.mean), _raw(cell.std), cell.n,
                              "; ".join(cell.markers), "" if cell.paper is None else cell.paper,
                              _raw(cell.delta), _raw(cell.paper_delta)])
     return out.getvalue()
@@ -372,7 +399,7 @@ def plot_curves(result: TableResult, path: Path) -> None:
 
     spec = result.spec
     rows = [r for r in result.rows if r.same_as is None]
-    runs = {run.run_id: run.record.dir for r in rows for _, run in r.points if run.record is not None}
+    runs = {run.run_id: run.record.dir for r in rows for _, run in r.shown if run.record is not None}
     logs = {run_id: found for run_id, where in runs.items() if (found := logged_rows(where)) is not None}
     finals = [p.removeprefix("metrics.final.") for m in spec.metrics for p in m.value
               if p.startswith("metrics.final.")]  # the first the runs log (EMA's where there is an EMA)
@@ -383,7 +410,7 @@ def plot_curves(result: TableResult, path: Path) -> None:
         copies = [r for r in result.rows if r.same_as is row]
         label = " = ".join(row_label(result, r) for r in [row, *copies])
         style = styles[row.key]
-        for j, (_, run) in enumerate(sorted(row.points, key=lambda pr: pr[0].seed)):
+        for j, (_, run) in enumerate(sorted(row.shown, key=lambda pr: pr[0].seed)):
             if run.run_id not in logs:
                 continue
             records = logs[run.run_id]

@@ -8,6 +8,9 @@ A table spec says which runs make up a paper table and how to show them:
   (``backbone.name``, ``norm.squash``), read from the config the point composes to at paper scale;
 - ``metrics``: the columns, each read from a run's ``summary.json``;
 - ``baseline``: rules naming, for each row, the row its deltas are taken against;
+- ``best_of`` (optional): a config path the blocks sweep within a row (``trainer.lr_factor=0.25,0.5,1``) and
+  the metric it is chosen by -- each row shows its best completed value (a diverged one is reported, never
+  chosen), as a paper's per-method lr search;
 - ``paper``: the published values and their ``source``; where the paper's table could not be recovered,
   ``paper_note`` says what is known (the abstract's range) and every paper cell is "n/a".
 
@@ -120,6 +123,18 @@ class Metric:
 
 
 @dataclass(frozen=True)
+class BestOf:
+    """A sweep inside each row: the rows' cells are those of the ``key`` value whose ``metric`` is best."""
+
+    key: str
+    metric: str
+    mode: str = "max"  # max | min
+
+    def better(self, a: float, b: float) -> bool:
+        return a > b if self.mode == "max" else a < b
+
+
+@dataclass(frozen=True)
 class TableSpec:
     id: str
     title: str
@@ -135,6 +150,7 @@ class TableSpec:
     paper_note: str = ""
     notes: str = ""
     link_keys: tuple[str, ...] = ("backbone.name", "norm.name")
+    best_of: BestOf | None = None
     searchpath: tuple[str, ...] = ()  # the search path it was found on: where the tables it links are found
 
     @property
@@ -164,7 +180,8 @@ class TableSpec:
 
 
 TABLE_KEYS = {"title", "source", "rows", "columns", "metrics", "blocks", "baseline", "labels", "headers",
-              "paper", "paper_note", "notes", "link_keys"}
+              "paper", "paper_note", "notes", "link_keys", "best_of"}
+BEST_OF_KEYS = {"key", "metric", "mode"}
 METRIC_KEYS = {"key", "label", "value", "fmt", "scale", "delta", "derive"}
 
 
@@ -200,13 +217,25 @@ def load_table(name: str, searchpath: Iterable[str] = ()) -> TableSpec:
     for rule in data.get("baseline", []):
         if "set" not in rule:
             raise UserError(f"{path}: every baseline rule needs 'set' (and optionally 'when')")
+    best_of = data.get("best_of")
+    if best_of is not None:
+        _unknown_keys(best_of, BEST_OF_KEYS, f"{path} best_of")
+        if best_of.get("metric") not in {m.key for m in metrics} or not best_of.get("key"):
+            raise UserError(f"{path}: best_of needs 'key' (the config path swept) and 'metric' (one of the "
+                            f"metrics' keys: {[m.key for m in metrics]})")
+        if best_of.get("mode", "max") not in ("max", "min") or best_of["key"] in data["rows"] \
+                or data.get("columns"):
+            raise UserError(f"{path}: best_of.mode is max or min, best_of.key is not a row key, and a "
+                            "best_of table has no 'columns'")
+        best_of = BestOf(best_of["key"], best_of["metric"], best_of.get("mode", "max"))
     return TableSpec(
         id=table_id, title=data.get("title", table_id), source=data.get("source", ""),
         rows=tuple(data["rows"]), columns=data.get("columns"), metrics=tuple(metrics),
         blocks=tuple(data["blocks"]), baseline=tuple(data.get("baseline", [])),
         labels=data.get("labels", {}), headers=data.get("headers", {}), paper=tuple(data.get("paper", [])),
         paper_note=data.get("paper_note", ""), notes=data.get("notes", ""),
-        link_keys=tuple(data.get("link_keys", ("backbone.name", "norm.name"))), searchpath=searchpath)
+        link_keys=tuple(data.get("link_keys", ("backbone.name", "norm.name"))), best_of=best_of,
+        searchpath=searchpath)
 
 
 # ---------------------------------------------------------------- scales
@@ -253,6 +282,7 @@ class Point:
     overrides: list[str]
     seed: int
     labels: dict[str, Any] = field(default_factory=dict)
+    choice: Any = None  # its value of the spec's best_of key (at paper scale)
     task: str | None = None
     backbone: str | None = None  # at paper scale (a scale may run another member)
     paper: dict[str, Any] = field(default_factory=dict)  # its resolved config at paper scale

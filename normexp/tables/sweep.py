@@ -20,6 +20,8 @@ def key_settings(config: dict[str, Any]) -> dict[str, Any]:
     lr = t.get("lr")
     if t.get("lr_base_size"):
         lr = f"{lr} x batch/{t['lr_base_size']}"
+    if t.get("lr_factor", 1.0) != 1.0:
+        lr = f"{lr} x {t['lr_factor']}"
     settings = {
         "task": get_path(config, "task.name"),
         "backbone": get_path(config, "backbone.name"),
@@ -52,7 +54,9 @@ def key_settings(config: dict[str, Any]) -> dict[str, Any]:
 def describe(plan: TablePlan, run: PlannedRun) -> str:
     rows = sorted({" / ".join(plan.spec.display(k, v) for k, v in p.labels.items()) for p in run.points})
     seeds = sorted({p.seed for p in run.points})
-    return f"{'; '.join(rows)} (seed {', '.join(map(str, seeds))})"
+    best_of = plan.spec.best_of  # the rows' sweep: which of its values
+    swept = f", {plan.spec.header(best_of.key)} {run.points[0].choice}" if best_of else ""
+    return f"{'; '.join(rows)} (seed {', '.join(map(str, seeds))}{swept})"
 
 
 def print_plan(plan: TablePlan, dry_run: bool) -> None:

@@ -62,7 +62,7 @@ def fabricated_plan(tmp_path: Path, spec_text: str = SPEC, runs_by_point: dict |
     spec_file.write_text(spec_text)
     spec = load_table(str(spec_file))
     runs = []
-    for i, ((backbone, norm, seed), summary) in enumerate((runs_by_point or RUNS).items()):
+    for i, ((backbone, norm, seed, *choice), summary) in enumerate((runs_by_point or RUNS).items()):
         record = None
         if summary is not None:
             run_dir = tmp_path / "runs" / f"r{i}"
@@ -76,7 +76,7 @@ def fabricated_plan(tmp_path: Path, spec_text: str = SPEC, runs_by_point: dict |
                 + json.dumps({"step": 20, "epoch": 1, "train/loss": 1.5, "val/top1": 50.0}) + "\n")
             record = Record(run_dir, summary)
         point = Point(overrides=[], seed=seed, labels={"backbone.name": backbone, "norm.name": norm},
-                      task="classification", backbone=backbone)
+                      task="classification", backbone=backbone, choice=choice[0] if choice else None)
         runs.append(PlannedRun(f"id{i}", [], {"backbone": {"name": f"{backbone}_micro"}}, [point], record))
     scale = Scale("smoke", "a test scale", (0, 1, 2), {}, {})
     return TablePlan(spec, scale, (0, 1, 2), runs)
@@ -136,6 +136,35 @@ def test_csv_holds_the_unformatted_numbers(tmp_path):
     assert float(a_dyt["delta"]) == 3.0 and float(a_dyt["paper_delta"]) == 1.0 and a_dyt["paper"] == "81.0"
     assert by["vit_b", "dyt", "top1"]["mean"] == "" and by["vit_b", "dyt", "top1"]["n"] == "0"
     assert float(by["vit_a", "ln", "params"]["mean"]) == pytest.approx(5.712345)
+
+
+def test_a_best_of_table_shows_each_rows_best_completed_lr_and_every_lr_tried(tmp_path):
+    """DyT Table 9's cells: the best of a per-method lr search, a diverged lr reported and never chosen."""
+    spec = SPEC.replace("blocks:", "best_of: {key: trainer.lr_factor, metric: top1}\nblocks:").replace(
+        "headers: {", "headers: {trainer.lr_factor: lr x, ")
+
+    def top1(value):
+        return {"status": "completed", "metrics": {"final": {"val/top1": value}}}
+
+    diverged = {"status": "diverged", "diverged": {"step": 40}, "metrics": {"final": {"val/top1": 99.0}}}
+    runs = {("vit_a", "ln", 0, 0.5): top1(70.0), ("vit_a", "ln", 1, 0.5): top1(72.0),
+            ("vit_a", "ln", 0, 1.0): top1(75.0), ("vit_a", "ln", 1, 1.0): top1(73.0),
+            ("vit_a", "dyt", 0, 0.5): top1(76.0), ("vit_a", "dyt", 0, 1.0): diverged,
+            ("vit_b", "ln", 0, 1.0): diverged}
+    result = aggregate(fabricated_plan(tmp_path, spec, runs))
+    md = to_markdown(result)
+    header = next(line for line in md.splitlines() if line.startswith("| Model"))
+    assert header.startswith("| Model | Norm | run as | lr x | lr x swept: Top-1 | Params (M) |")
+    rows = md_rows(md)
+    assert rows["ViT-A LN"][3:5] == ["1.0", "0.5: 71.00 ± 1.41 (2); 1.0: 74.00 ± 1.41 (2)"]
+    assert rows["ViT-A LN"][7] == "74.00 ± 1.41 (2)"  # the better lr's two seeds, not all four runs
+    assert rows["ViT-A DyT"][3:5] == ["0.5", "0.5: 76.00 (1); 1.0: diverged@40"]
+    assert rows["ViT-A DyT"][7] == "76.00 (1)" and rows["ViT-A DyT"][9] == "+2.00"  # against LN's best
+    assert rows["ViT-B LN"][3:5] == ["—", "1.0: diverged@40"] and rows["ViT-B LN"][7] == "diverged@40"
+    assert "the best of its runs' `trainer.lr_factor` values by Top-1" in md
+    by = {(r["backbone.name"], r["norm.name"], r["metric"]): r
+          for r in csv.DictReader(io.StringIO(to_csv(result)))}
+    assert by["vit_a", "dyt", "top1"]["trainer.lr_factor"] == "0.5"
 
 
 def test_pivot_layout_and_latex(tmp_path):
