@@ -5,10 +5,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from normexp.errors import UserError
 from normexp.tables.aggregate import aggregate
 from normexp.tables.plan import PlannedRun, Record, TablePlan
 from normexp.tables.render import to_csv, to_latex, to_markdown, write_table
@@ -165,6 +167,17 @@ def test_a_best_of_table_shows_each_rows_best_completed_lr_and_every_lr_tried(tm
     by = {(r["backbone.name"], r["norm.name"], r["metric"]): r
           for r in csv.DictReader(io.StringIO(to_csv(result)))}
     assert by["vit_a", "dyt", "top1"]["trainer.lr_factor"] == "0.5"
+
+
+@pytest.mark.parametrize("best_of, says", [
+    ("{key: trainer.lr_factor, metric: top5}", "best_of needs 'key'"),
+    ("{key: norm.name, metric: top1}", "best_of.key is not a row key"),
+    ("{key: trainer.lr_factor, metric: top1, pick: first}", "best_of: unknown key(s) ['pick']")])
+def test_a_best_of_that_cannot_work_is_one_line(tmp_path, best_of, says):
+    spec_file = tmp_path / "bad.yaml"
+    spec_file.write_text(SPEC.replace("blocks:", f"best_of: {best_of}\nblocks:"))
+    with pytest.raises(UserError, match=re.escape(says)):
+        load_table(str(spec_file))
 
 
 def test_pivot_layout_and_latex(tmp_path):
