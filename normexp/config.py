@@ -157,6 +157,7 @@ class TrainerSchema:
     warmup_prefix: bool
     cooldown_epochs: int = _check(**rng(0))
     decay_milestones: list[int] | None = _check(items=rng(0))
+    decay_epochs: float | None = _check(above=0)
     decay_rate: float = _check(above=0)
     warmup_epochs: float = _check(**rng(0))
     warmup_iters: int | None = _check(**rng(0))

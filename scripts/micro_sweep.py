@@ -4,7 +4,7 @@ Each run is the demo itself (``python -m normexp backbone=<micro> norm=<norm> lo
 launched one after another so their timings do not disturb each other; the table is read back from the
 run records (summary.json), never from the console.
 
-    python scripts/micro_sweep.py                      # every *_micro backbone x ln, dtn, dyt (+ levit bn)
+    python scripts/micro_sweep.py                      # every *_micro backbone x ln, dtn, dyt (+ BN nets' bn)
     python scripts/micro_sweep.py --backbones swin_micro --norms ln dyt
 """
 
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTRA = [("levit_micro", "bn")]  # LeViT as published
+EXTRA = [("levit_micro", "bn"), ("resnet50_micro", "bn"), ("vgg19_bn_micro", "bn")]  # as published (BN)
 
 
 def micro_backbones() -> list[str]:

@@ -125,7 +125,8 @@ RECIPE_BATCH = {"deit_imagenet": (1024, 3), "dtn_imagenet": (1024, 3), "dtn_pvt_
                 # MAE PRETRAIN.md / FINETUNE.md / LINPROBE.md; DyT's DINO commands (32 x 32, 176 x 6)
                 "mae_pretrain": (4096, 0), "mae_finetune": (1024, 0), "mae_finetune_large": (1024, 0),
                 "mae_linprobe": (16384, 0), "dino_vitb16": (1024, 0), "dino_vitb8": (1056, 0),
-                "dit_imagenet": (256, 0)}
+                "dit_imagenet": (256, 0),
+                "torchvision_imagenet": (256, 0)}  # pytorch/vision references/classification: 32 x 8 GPUs
 
 
 def test_every_recipe_states_its_global_batch():
@@ -165,6 +166,9 @@ RECIPE_LOOP = {
     # facebookresearch/dino utils.cosine_scheduler: per iteration, cosine after the warm-up; fp32 (DyT)
     "dino_vitb16": ("update", 0, True, 0, 400, False, None),
     "dino_vitb8": ("update", 0, True, 0, 300, False, None),
+    # pytorch/vision references/classification train.py: lr_scheduler.step() after each epoch (StepLR), no
+    # warm-up, the trained model, float32 (no --amp)
+    "torchvision_imagenet": ("epoch", 0, False, 0, 90, False, None),
 }
 
 
@@ -184,7 +188,7 @@ RECIPE_CLIP = {
     "retinanet_pvt_1x": None, "mask_rcnn_pvt_1x": None, "mask_rcnn_swin_1x": None,  # grad_clip=None
     "mae_pretrain": None, "mae_finetune": None, "mae_finetune_large": None, "mae_linprobe": None,
     "dino_vitb16": 0.3, "dino_vitb8": 3.0,  # per parameter (clip_mode=param), as DINO's clip_gradients
-    "dit_imagenet": None,
+    "dit_imagenet": None, "torchvision_imagenet": None,  # train.py --clip-grad-norm None
 }
 
 

@@ -300,3 +300,14 @@ def test_a_normalizers_model_defaults_are_not_part_of_a_runs_identity():
     assert config["norm"]["model_defaults"] == {"zero_init": "none"}
     before = {**config, "norm": {k: v for k, v in config["norm"].items() if k != "model_defaults"}}
     assert config_hash(config) == config_hash(before)
+
+
+def test_an_option_added_later_is_part_of_a_runs_identity_only_when_set():
+    """trainer.decay_epochs (sched=step's interval) came after runs were made: unset, a run made before it
+    existed is the same run; set, another run."""
+    config = OmegaConf.to_container(compose_cfg(), resolve=True)
+    assert config["trainer"]["decay_epochs"] is None
+    before = {**config, "trainer": {k: v for k, v in config["trainer"].items() if k != "decay_epochs"}}
+    assert config_hash(config) == config_hash(before)
+    stepped = OmegaConf.to_container(compose_cfg("trainer.decay_epochs=30"), resolve=True)
+    assert config_hash(stepped) != config_hash(config)

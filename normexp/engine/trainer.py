@@ -2,9 +2,9 @@
 process or many.
 
 Uses timm's utilities rather than re-writing them: optimizer factory (no weight decay on 1-D params, biases
-and the model's ``no_weight_decay()`` names), cosine or multi-step schedule with linear warm-up (stepped per
-update or per epoch, as each recipe's code does), model EMA, gradient clipping. A task subclasses the trainer
-with its loss and its evaluation (``tasks/classification.py``, ``tasks/detection.py``).
+and the model's ``no_weight_decay()`` names), cosine, multi-step or step schedule with linear warm-up (stepped
+per update or per epoch, as each recipe's code does), model EMA, gradient clipping. A task subclasses the
+trainer with its loss and its evaluation (``tasks/classification.py``, ``tasks/detection.py``).
 
 Distributed (torchrun / SLURM, see ``distributed.py``): the model is wrapped in DDP (with ``trainer.sync_bn``,
 BatchNorm layers become SyncBatchNorm first), every process trains on its shard of each global batch, and only
@@ -119,16 +119,18 @@ class Trainer:
         cfg = self.cfg
         warmup_epochs = cfg.warmup_iters / self.updates_per_epoch if cfg.warmup_iters else cfg.warmup_epochs
         # timm's num_epochs excludes a warm-up prefix and the cool-down: what is left for the decay
-        decay_epochs = cfg.epochs - cfg.cooldown_epochs - (warmup_epochs if cfg.warmup_prefix else 0)
-        milestones = {"decay_milestones": tuple(cfg.decay_milestones)} if cfg.decay_milestones else {}
+        decay_span = cfg.epochs - cfg.cooldown_epochs - (warmup_epochs if cfg.warmup_prefix else 0)
+        decay_args = {"decay_milestones": tuple(cfg.decay_milestones)} if cfg.decay_milestones else {}
+        if cfg.get("decay_epochs"):  # sched=step: x decay_rate every decay_epochs (torchvision's StepLR)
+            decay_args["decay_epochs"] = cfg.decay_epochs
         scale_ends = cfg.get("lr_scale_warmup_min", True)
         scheduler, _ = create_scheduler_v2(
-            self.optimizer, sched=cfg.sched, num_epochs=decay_epochs, warmup_epochs=warmup_epochs,
+            self.optimizer, sched=cfg.sched, num_epochs=decay_span, warmup_epochs=warmup_epochs,
             warmup_prefix=cfg.warmup_prefix,
             warmup_lr=self.scaled_lr(cfg.warmup_lr) if scale_ends else cfg.warmup_lr,
             min_lr=self.scaled_lr(cfg.min_lr) if scale_ends else cfg.min_lr,
             decay_rate=cfg.decay_rate, step_on_epochs=cfg.sched_on == "epoch",
-            updates_per_epoch=self.updates_per_epoch, **milestones,
+            updates_per_epoch=self.updates_per_epoch, **decay_args,
         )
         return scheduler
 

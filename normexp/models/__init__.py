@@ -1,6 +1,6 @@
 """Backbones (and DiT, the diffusion model), one file per family, behind one registry."""
 
-from . import convnext, dit, levit, pvt, pvt_v2, swin, t2t, vit  # noqa: F401  (importing registers the models)
+from . import convnext, dit, levit, pvt, pvt_v2, swin, t2t, torchvision_cnn, vit  # noqa: F401  (importing registers)
 from .build import backbone_arguments, build_backbone, build_model, check_buildable
 from .registry import create_model, list_models, register_model
 

@@ -22,6 +22,14 @@ def key_settings(config: dict[str, Any]) -> dict[str, Any]:
         lr = f"{lr} x batch/{t['lr_base_size']}"
     if t.get("lr_factor", 1.0) != 1.0:
         lr = f"{lr} x {t['lr_factor']}"
+    sched = t.get("sched")
+    if sched == "step" and t.get("decay_epochs"):
+        sched = f"step x{t.get('decay_rate')} every {t['decay_epochs']} epochs"
+    elif sched == "multistep" and t.get("decay_milestones"):
+        sched = f"multistep x{t.get('decay_rate')} at {list(t['decay_milestones'])}"
+    wd = t.get("weight_decay")
+    if wd and t.get("decay_norm_and_bias"):
+        wd = f"{wd} (every parameter)"
     settings = {
         "task": get_path(config, "task.name"),
         "backbone": get_path(config, "backbone.name"),
@@ -35,9 +43,9 @@ def key_settings(config: dict[str, Any]) -> dict[str, Any]:
         "opt": t.get("opt"),
         "lr": lr,
         "layer_decay": t.get("layer_decay"),
-        "wd": t.get("weight_decay"),
+        "wd": wd,
         "warmup": t.get("warmup_iters") and f"{t['warmup_iters']} it" or t.get("warmup_epochs"),
-        "sched": t.get("sched"),
+        "sched": sched,
         "drop_path": get_path(config, "backbone.drop_path_rate"),
         "mixup/cutmix": f"{get_path(t, 'mixup.mixup_alpha')}/{get_path(t, 'mixup.cutmix_alpha')}",
         "smoothing": t.get("smoothing"),

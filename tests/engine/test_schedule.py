@@ -145,3 +145,32 @@ def test_per_epoch_schedule_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
     resumed = run(quick_cfg(*overrides, f"trainer.resume={tmp_path / 'crashed'}", epochs=2),
                   tmp_path / "resumed")
     assert resumed["metrics"] == uninterrupted["metrics"]
+
+
+def test_step_schedule_decays_every_decay_epochs_as_torchvisions_steplr(tmp_path):
+    """torchvision's classic recipe (references/classification train.py): StepLR(step_size=30, gamma=0.1)
+    stepped after each epoch, SGD momentum 0.9 without Nesterov, weight decay on every parameter; timm's
+    ``step`` scheduler with ``trainer.decay_epochs`` per epoch gives the same lr in every epoch (its
+    ``multistep`` would decay one epoch early per epoch: bisect_right(milestones, t + 1))."""
+    import torch
+
+    trainer = trainer_for(tmp_path, "trainer=default", "trainer.epochs=90", "trainer.opt=momentum",
+                          "trainer.lr=0.1", "trainer.weight_decay=1e-4", "trainer.decay_norm_and_bias=true",
+                          "trainer.sched=step", "trainer.decay_epochs=30", "trainer.warmup_epochs=0",
+                          "trainer.sched_on=epoch")
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+    steplr = torch.optim.lr_scheduler.StepLR(optimizer, step_size=30, gamma=0.1)
+    torchvision = []
+    for _ in range(90):
+        torchvision.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        steplr.step()
+    assert epoch_lrs(trainer, 90) == pytest.approx(torchvision)
+    assert torchvision[29] == pytest.approx(0.1) and torchvision[30] == pytest.approx(0.01)
+    groups = trainer.optimizer.param_groups
+    assert type(trainer.optimizer) is torch.optim.SGD
+    assert {(g["momentum"], g["nesterov"], g["weight_decay"]) for g in groups} == {(0.9, False, 1e-4)}
+    assert sum(len(g["params"]) for g in groups) == len(list(trainer.model.parameters()))
+    unset = trainer_for(tmp_path, "trainer=default", "trainer.epochs=4", "trainer.sched=step",
+                        "trainer.warmup_epochs=0")
+    assert unset.scheduler.decay_t == 90 * unset.updates_per_epoch  # no decay_epochs: timm's 90

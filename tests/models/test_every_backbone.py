@@ -15,16 +15,19 @@ import pytest
 import torch
 from conftest import CONFIG_DIR, compose_cfg, forward_backward
 
+from normexp.errors import UserError
 from normexp.models import build_backbone, create_model
 from normexp.models.base import Backbone, NormContext
 from normexp.norms import get_norm_class, list_norms
+from normexp.norms.normfree import residual_branches
 from normexp.norms.placement import norm_slots
 
 # the image backbones (DiT, the diffusion model of task=dit, has its own tests: test_dit.py)
 BACKBONES = sorted(p.stem for p in (Path(CONFIG_DIR) / "backbone").glob("*.yaml")
                    if not p.stem.startswith("dit_"))
 FAST = {"vit_tiny", "swin_tiny", "pvt_tiny", "pvt_v2_b0", "levit_128s", "t2t_vit_7"}  # ConvNeXt: micro only
-HEAVY = {"vit_large", "convnext_base", "convnext_large"}
+HEAVY = {"vit_large", "convnext_base", "convnext_large", "vgg19_bn"}  # VGG19-BN: 144M parameters, most of
+# them in the classifier; its micro member runs the same code (and test_torchvision_cnn.py its counts)
 PAPERS_NORMS = {"ln", "dtn", "dyt"}
 
 
@@ -64,7 +67,7 @@ def build(name: str, norm: str, **extra) -> torch.nn.Module:
 
 
 def test_every_family_is_here():
-    families = {"vit", "swin", "pvt", "pvt_v2", "levit", "t2t_vit", "convnext"}
+    families = {"vit", "swin", "pvt", "pvt_v2", "levit", "t2t_vit", "convnext", "resnet50", "vgg19_bn"}
     assert families <= {n.rsplit("_", 1)[0] if not n.startswith("pvt_v2") else "pvt_v2" for n in BACKBONES}
     assert {f"{f}_micro" for f in families} <= set(BACKBONES)
 
@@ -90,9 +93,19 @@ def kept_by_the_family(model: torch.nn.Module, slot: str, norm: str) -> bool:
         (pooled and getattr(get_norm_class(norm), "token_statistics", False))
 
 
+def without_residual_branches(name: str) -> bool:
+    """A plain stack (VGG): ``norm=skipinit``, which gates residual branches, refuses it."""
+    with torch.device("meta"):
+        return not residual_branches(create_model(name, num_classes=10))
+
+
 @pytest.mark.parametrize(("name", "norm"), MATRIX)
 def test_every_norm_fills_every_slot_and_trains(name, norm):
     torch.manual_seed(0)
+    if norm == "skipinit" and without_residual_branches(name):
+        with pytest.raises(UserError, match="names none"):
+            build(name, norm)
+        return
     model = build(name, norm)
     with torch.device("meta"):
         slots = norm_slots(build(name, "ln"))

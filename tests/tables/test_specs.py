@@ -88,6 +88,17 @@ RECIPES = {
                      "trainer.clip_grad": None, "task.vae": "stabilityai/sd-vae-ft-ema", "task.hflip": 0.5,
                      "task.sampling_steps": 250, "task.guidance": 1.0, "task.fid.samples": 50000,
                      "data.img_size": 256, "backbone.class_dropout": 0.1, "backbone.learn_sigma": True},
+    # pytorch/vision references/classification train.py defaults (DyT Table 16)
+    "torchvision_imagenet": {"trainer.epochs": 90, "trainer.opt": "momentum", "trainer.lr": 0.1,
+                             "trainer.lr_base_size": 256, "trainer.global_batch": 256,
+                             "trainer.weight_decay": 1e-4, "trainer.decay_norm_and_bias": True,
+                             "trainer.sched": "step", "trainer.decay_epochs": 30, "trainer.decay_rate": 0.1,
+                             "trainer.sched_on": "epoch", "trainer.warmup_epochs": 0,
+                             "trainer.smoothing": 0.0,
+                             "trainer.mixup.mixup_alpha": 0.0, "trainer.mixup.cutmix_alpha": 0.0,
+                             "trainer.ema.enabled": False, "trainer.clip_grad": None, "data.reprob": 0.0,
+                             "data.auto_augment": None, "data.color_jitter": None,
+                             "data.interpolation": "bilinear", "data.crop_pct": 0.875},
 }
 # per backbone (fnmatch), within a recipe: stochastic depth of the official configs
 DROP_PATH = {
