@@ -162,6 +162,10 @@ class ResNet(TorchvisionResNet, _ConvSlots):
         m = re.match(r"layer(\d)\.(\d+)\.", name)
         return self.block_offsets[int(m.group(1)) - 1] + int(m.group(2)) if m else None
 
+    def get_classifier(self) -> nn.Module:
+        """The classifier, as timm's models name it (Fixup starts it at zero)."""
+        return self.fc
+
     def features(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The 4 stage maps (``layer1``..``layer4``), NCHW, at ``feature_strides``."""
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
@@ -234,6 +238,10 @@ class VGG(TorchvisionVGG, _ConvSlots):
 
     def _block_of(self, name: str) -> int | None:
         return self._stage_of[int(name.split(".")[1])]
+
+    def get_classifier(self) -> nn.Module:
+        """The classifier's last layer, as timm's models name it."""
+        return self.classifier[-1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """torchvision's ``VGG.forward`` (its ``features`` is ``convs`` here)."""

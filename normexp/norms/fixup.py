@@ -15,6 +15,9 @@ modules a model names in ``residual_scales``) and m the number of weight layers 
 3. a learnable scalar bias (0) before every weight layer and activation of a branch, and a learnable scalar
    multiplier (1) and bias (0) on its output, as forward hooks, so the model's parameter names stay its own
    (plus ``fixup_bias`` / ``fixup_scale`` on those modules).
+
+A branch a model names by its last module (ResNet's ``bn3``, Fixup's own case: m = 3, ``L ** -0.25``) is the
+weight layers its parent registers before it (a Bottleneck's ``conv1``-``conv3``; ``downsample`` comes after).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .normfree import NoNorm, branch_modules
+from .normfree import NoNorm, branch_modules, residual_branches
 from .registry import register_norm
 
 WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
@@ -55,6 +58,22 @@ def value_rows(name: str, layer: nn.Module) -> slice:
     return slice(0, rows)
 
 
+def branch_layers(model: nn.Module, name: str, branch: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of the weight layers of the branch whose output is ``branch``'s: its own, or for a module
+    without any (the branch's last op) those of the modules its parent registers before it."""
+    own = [(n, m) for n, m in branch.named_modules() if isinstance(m, WEIGHT_LAYERS)]
+    if own or "." not in name:
+        return own
+    parent = model.get_submodule(name.rpartition(".")[0])
+    before = []
+    for child_name, child in parent.named_children():
+        if child is branch:
+            break
+        before += [(f"{child_name}.{n}".rstrip("."), m) for n, m in child.named_modules()
+                   if isinstance(m, WEIGHT_LAYERS)]
+    return before
+
+
 @register_norm("fixup")
 class Fixup(NoNorm):
     """The identity in a norm slot; :meth:`adapt_model` applies Fixup's rules (module docstring)."""
@@ -63,15 +82,15 @@ class Fixup(NoNorm):
     def adapt_model(model: nn.Module) -> None:
         branches = branch_modules(model, "norm=fixup")
         depth = len(branches)
-        for branch in branches:
-            layers = [(n, m) for n, m in branch.named_modules() if isinstance(m, WEIGHT_LAYERS)]
+        for name, branch in zip(residual_branches(model), branches, strict=True):
+            layers = branch_layers(model, name, branch)
             path = [(n, m) for n, m in layers if n.rsplit(".", 1)[-1] not in QUERY_KEY]
             if not path:
                 raise ValueError(f"norm=fixup: a residual branch ({type(branch).__name__}) has no weights")
             scale = depth ** (-1 / (2 * len(path) - 2)) if len(path) > 1 else 1.0
             with torch.no_grad():
-                for name, layer in path[:-1]:
-                    layer.weight[value_rows(name, layer)] *= scale
+                for layer_name, layer in path[:-1]:
+                    layer.weight[value_rows(layer_name, layer)] *= scale
                 last = path[-1][1]
                 last.weight.zero_()
                 if last.bias is not None:

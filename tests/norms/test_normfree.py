@@ -81,6 +81,24 @@ def test_fixup_scales_the_value_paths_by_its_formula_for_the_depth_and_zeroes_th
     assert len(scalars) == 6 * (2 + 2 + 2 + 3)  # per block: 2 x (scale, bias), qkv, proj, fc1, act, fc2
 
 
+def test_fixup_on_a_resnet_is_the_papers_own_case_bottlenecks_of_three_layers():
+    def resnet(norm: str) -> nn.Module:
+        torch.manual_seed(0)
+        cfg = compose_cfg("backbone=resnet50_micro", f"norm={norm}")
+        return build_backbone(cfg.backbone, cfg.norm)
+
+    plain, fixup = resnet("none"), resnet("fixup")
+    branches = residual_branches(fixup)  # one bn3 per bottleneck
+    assert len(branches) == 4
+    scale = len(branches) ** (-1 / (2 * 3 - 2))  # m = 3: L^(-1/4)
+    for name in (b.rpartition(".")[0] for b in branches):
+        before, after = plain.get_submodule(name), fixup.get_submodule(name)
+        torch.testing.assert_close(after.conv1.weight, before.conv1.weight * scale)
+        torch.testing.assert_close(after.conv2.weight, before.conv2.weight * scale)
+        assert not after.conv3.weight.any() and hasattr(after.bn3, "fixup_scale")
+    assert not fixup.fc.weight.any()
+
+
 def test_fixup_starts_as_the_identity_and_its_classifier_learns_first():
     model = vit("fixup")
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
