@@ -26,6 +26,10 @@ PACKAGES = ("torch", "torchvision", "timm", "hydra-core", "omegaconf", "wandb", 
 # (backbone.zero_init), and runs of models that read none are the same runs with or without it
 NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress", "trainer.resume",
                      "norm.model_defaults")
+# Config keys left out of a run's identity while they hold the value that builds what was built before the
+# key existed: the ViT's norm placement options (configs/backbone/family/vit.yaml) at the plain Pre-LN ViT.
+IDENTITY_DEFAULTS: dict[str, Any] = {"backbone.norm_position": "pre", "backbone.qk_norm": False,
+                                     "backbone.layer_scale": None, "backbone.normformer": False}
 
 
 def seed_everything(seed: int) -> None:
@@ -75,13 +79,15 @@ def git_state(path: Path | None = None) -> dict[str, Any]:
 
 
 def config_hash(config: dict[str, Any]) -> str:
-    """Identity of a run: sha256 of its resolved config (seed included), less ``NON_IDENTITY_KEYS``."""
+    """Identity of a run: sha256 of its resolved config (seed included), less ``NON_IDENTITY_KEYS`` and the
+    ``IDENTITY_DEFAULTS`` keys that hold their default."""
     identity = copy.deepcopy(config)
-    for key in NON_IDENTITY_KEYS:
+    for key in (*NON_IDENTITY_KEYS, *IDENTITY_DEFAULTS):
         *parents, leaf = key.split(".")
         node = identity
         for parent in parents:
             node = node.get(parent) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(leaf, None)
+        if isinstance(node, dict) and leaf in node and (
+                key not in IDENTITY_DEFAULTS or node[leaf] == IDENTITY_DEFAULTS[key]):
+            node.pop(leaf)
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
