@@ -37,7 +37,7 @@ from .models import check_buildable
 from .tasks import get_task
 from .tracking import MIRRORS
 from .tracking.lock import RunLock, live_owner
-from .tracking.provenance import NON_IDENTITY_KEYS, config_hash, seed_everything
+from .tracking.provenance import IDENTITY_DEFAULTS, NON_IDENTITY_KEYS, config_hash, seed_everything
 from .tracking.records import (
     DONE,
     MetricsMirror,
@@ -91,7 +91,7 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def differences(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> str:
     """The identity keys whose values differ, ``key: old -> new``, the first ``limit`` of them."""
-    a, b = _flat(old), _flat(new)
+    a, b = ({**IDENTITY_DEFAULTS, **_flat(c)} for c in (old, new))  # a default is what its absence built
     ignored = tuple(NON_IDENTITY_KEYS)
     keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
             and not any(k == i or k.startswith(i + ".") for i in ignored)]

@@ -24,7 +24,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from .slots import affine_params, channel_dim, grid_tokens, slot_context, slot_format, without_affine
+from .slots import (
+    affine_params,
+    channel_dim,
+    grid_tokens,
+    slot_context,
+    slot_format,
+    unfold_heads,
+    without_affine,
+)
 
 SATURATION = 2.0  # |b x| beyond which tanh(b x) is within 3.6 % of +-1
 HIGHLIGHT = 4     # tokens and channels shown in colour
@@ -92,6 +100,7 @@ class IOSampler:
         fmt = slot_format(module)
         layout = slot_context(self.model, name).get("layout")
         y_pre = without_affine(module, x).detach()
+        (x, _), (y, _), (y_pre, layout) = (unfold_heads(t, layout) for t in (x, y, y_pre))
         k, j = self.names.index(name), self._calls.get(name, 0)
         self._calls[name] = j + 1
         image, token, channel = _flat_positions(x, fmt, layout)

@@ -9,7 +9,9 @@ the placement's does: no family needs code here.
 
 Tensors a slot sees come in three layouts (``slot_format``): (B, N, C) tokens, whose grid and prefix
 (class / distillation) tokens are the slot's :class:`TokenLayout`; (B, H, W, C) channels-last maps and
-(B, C, H, W) channels-first maps, whose grid is in the shape; and (B, C) pooled vectors (no grid).
+(B, C, H, W) channels-first maps, whose grid is in the shape; and (B, C) pooled vectors (no grid). A per-head
+slot (an attention's q / k / v norm) sees (B * heads, N, head_dim): :func:`unfold_heads` gives its block's
+(B, N, heads * head_dim) tokens back, so images, tokens and heads are counted as for any slot.
 :func:`grid_tokens` brings all of them to (B, grid tokens, C) plus the prefix tokens.
 """
 
@@ -89,6 +91,15 @@ def grid_tokens(t: torch.Tensor, data_format: str, layout: Any = None) -> Tokens
             raise ValueError(f"{t.shape[1]} tokens do not fit the layout's grid {grid}")
         return Tokens(t[:, prefix:], t[:, :prefix], (int(grid[0]), int(grid[1])))
     raise ValueError(f"a norm slot tensor of shape {tuple(t.shape)} is not tokens, a map or a vector")
+
+
+def unfold_heads(t: torch.Tensor, layout: Any) -> tuple[torch.Tensor, Any]:
+    """A per-head slot's tensor -- (B * heads, N, head_dim), the heads folded into the batch (an attention's
+    q / k / v norm: layout :class:`normexp.norms.layout.FoldedHeads`) -- as the (B, N, heads * head_dim)
+    tokens of its block, with the block's layout; any other tensor and layout as they are."""
+    if t.dim() != 3 or not hasattr(layout, "unfold"):
+        return t, layout
+    return layout.unfold(t), layout.layout
 
 
 def channel_dim(t: torch.Tensor, data_format: str) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .slots import grid_tokens, slot_context, slot_format
+from .slots import grid_tokens, slot_context, slot_format, unfold_heads
 
 
 def head_magnitudes(tokens: torch.Tensor, heads: int) -> torch.Tensor:
@@ -61,9 +61,9 @@ class TokenRecorder:
             return
         fmt = slot_format(module)
         context = slot_context(self.model, name)
-        heads = int(context.get("num_heads") or 1)
-        layout = context.get("layout")
-        tin, tout = grid_tokens(x.detach(), fmt, layout), grid_tokens(y.detach(), fmt, layout)
+        heads = int(getattr(context.get("layout"), "num_heads", None) or context.get("num_heads") or 1)
+        (x, _), (y, layout) = (unfold_heads(t.detach(), context.get("layout")) for t in (x, y))
+        tin, tout = grid_tokens(x, fmt, layout), grid_tokens(y, fmt, layout)
         if tin.shape is None:
             raise ValueError(f"slot {name} sees pooled vectors: no token grid to map")
         h, w = tin.shape
@@ -73,8 +73,10 @@ class TokenRecorder:
 
 
 def default_token_slot(model: nn.Module, names: list[str]) -> str:
-    """The first block's first norm slot (DTN Fig. 1's), else the first slot that sees a token grid."""
+    """The first block's first norm slot on the block's tokens (DTN Fig. 1's; not a per-head q / k / v
+    norm), else the first slot."""
     for name in names:
-        if slot_context(model, name).get("block") == 0:
+        context = slot_context(model, name)
+        if context.get("block") == 0 and not hasattr(context.get("layout"), "unfold"):
             return name
     return names[0]

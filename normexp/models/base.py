@@ -32,7 +32,7 @@ import torch
 from timm.layers import trunc_normal_
 from torch import nn
 
-from ..norms.layout import TokenLayout
+from ..norms.layout import FoldedHeads, TokenLayout
 
 
 class NormContext(TypedDict, total=False):
@@ -40,7 +40,9 @@ class NormContext(TypedDict, total=False):
 
     ``block``: index of the transformer block (in forward order) the slot belongs to, None outside blocks;
     ``num_heads``: head count of that block -- or the head count the family defines for the slot;
-    ``layout``: the :class:`TokenLayout` of the tokens the slot sees, None for maps (grid in the shape);
+    ``layout``: the :class:`TokenLayout` of the tokens the slot sees, None for maps (grid in the shape); a
+    :class:`FoldedHeads` for a per-head slot (an attention's q / k / v norm: each head's tokens, the heads
+    folded into the batch, with ``num_heads`` 1);
     ``num_prefix_tokens``: class / distillation tokens in front of the grid tokens the slot sees;
     ``pooled``: True when the slot normalises one pooled vector per image (a classifier's norm): no token
     statistics exist there, so normalizers that take statistics over tokens leave it as built.
@@ -48,7 +50,7 @@ class NormContext(TypedDict, total=False):
 
     block: int | None
     num_heads: int
-    layout: TokenLayout | None
+    layout: TokenLayout | FoldedHeads | None
     num_prefix_tokens: int
     pooled: bool
 

@@ -18,6 +18,18 @@ Sizes:
 token joins before block k, and only the norm slots of those first k blocks take the configured
 normalizer -- blocks k.. and the final norm keep LayerNorm (``norm_keep``).
 
+Where the norms sit (every size, the DTN code's ViTs included; ``normexp.models.blocks`` has the formulas and
+the papers): ``norm_position`` is ``pre`` (timm's block, the default), ``post``, ``peri``, ``res_post`` or
+``hybrid``; ``qk_norm=True`` adds ViT-22B's per-head query / key norms (timm's), ``layer_scale=<init>``
+CaiT's LayerScale on every branch (timm's ``init_values``), ``normformer=True`` NormFormer's two extra norms
+(Shleifer et al. 2021, arXiv 2110.09456: after the attention heads, ``attn.norm``, and after the MLP's
+activation, ``mlp.norm``; timm's ``scale_attn_norm`` / ``scale_mlp_norm``; its head-wise scaling is not
+built). Every norm these add is a slot like any other. The final norm (``norm``, or ``fc_norm`` after
+pooling) stays under every position, ``post`` included, where it is a second norm in a row: the classifier
+reads that slot, which every normalizer fills, and at initialisation LN or RMSNorm of a token the last block
+has just normalised returns it (up to eps), so there it adds an affine. Post-LN Transformers (arXiv
+1706.03762) have no final norm: ``+backbone.final_norm=false`` (timm's switch) builds that.
+
 ``pyramid_scales`` (e.g. ``(4, 2, 1, 0.5)``) adds ViTDet's simple feature pyramid for dense tasks:
 ``features(x)`` then returns NCHW maps at strides ``patch_size / scale``. ``dynamic_img_size=True`` accepts
 any input size (the position embedding is resampled), with or without ``dtn_blocks``.
@@ -33,8 +45,9 @@ from timm.layers import trunc_normal_
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..norms.layout import TokenLayout
+from ..norms.layout import FoldedHeads, TokenLayout
 from .base import NormContext, PlainBackbone
+from .blocks import PER_HEAD_SLOTS, HeadNormAttention, block_class
 from .pyramid import SimpleFeaturePyramid
 from .registry import register_model
 
@@ -42,10 +55,25 @@ from .registry import register_model
 class ViT(VisionTransformer, PlainBackbone):
     """timm's ViT that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
+    # every position's branches end in the attention / MLP up to the slots' norms, which the methods that
+    # read this (normalization-free ones) make the identity
     residual_scales = ("blocks.*.attn", "blocks.*.mlp")
 
     def __init__(self, dtn_blocks: int | None = None, pyramid_scales: tuple[float, ...] | None = None,
+                 norm_position: str = "pre", layer_scale: float | None = None, normformer: bool = False,
                  **kwargs: Any) -> None:
+        block = block_class(norm_position)  # refuses a position it does not know
+        if norm_position != "pre":
+            kwargs["block_fn"] = block
+        if kwargs.get("qk_norm"):  # timm's q / k norms, handed each head's tokens (see normexp.models.blocks)
+            kwargs["attn_layer"] = HeadNormAttention
+        if layer_scale is not None:
+            if layer_scale <= 0:
+                raise ValueError(f"layer_scale is LayerScale's initial value, > 0 (null: off), got "
+                                 f"{layer_scale}")
+            kwargs["init_values"] = layer_scale
+        if normformer:
+            kwargs.update(scale_attn_norm=True, scale_mlp_norm=True)
         if dtn_blocks is not None:
             if not 0 < dtn_blocks <= kwargs.get("depth", 12):
                 raise ValueError(f"dtn_blocks must be in 1..depth, got {dtn_blocks}")
@@ -53,7 +81,7 @@ class ViT(VisionTransformer, PlainBackbone):
                 raise ValueError("dtn_blocks reads the class token: it needs global_pool=token")
             kwargs["no_embed_class"] = True  # position embedding covers the grid tokens only
         super().__init__(**kwargs)
-        self.dtn_blocks = dtn_blocks
+        self.dtn_blocks, self.norm_position = dtn_blocks, norm_position
         # Blocks before the class token joins see no prefix tokens; the others see num_prefix_tokens.
         self.grid_layout = TokenLayout(num_prefix_tokens=0)
         self.token_layout = TokenLayout(num_prefix_tokens=self.num_prefix_tokens)
@@ -75,12 +103,18 @@ class ViT(VisionTransformer, PlainBackbone):
     def norm_context(self, name: str) -> NormContext:
         """Context for the norm slot ``name``: its block index, head count and token layout.
 
-        ``fc_norm`` (``global_pool='avg'``) normalises the pooled token: ``pooled``.
+        ``fc_norm`` (``global_pool='avg'``) normalises the pooled token: ``pooled``. The per-head slots of an
+        attention (``blocks.<i>.attn.q_norm`` / ``k_norm`` / ``v_norm``) see one head's tokens at a time, the
+        heads folded into the batch: one head, the block's layout folded (:class:`FoldedHeads`).
         """
         block = int(name.split(".")[1]) if name.startswith("blocks.") else None
         late_cls = self.dtn_blocks is not None and (block is None or block < self.dtn_blocks)
         layout = self.grid_layout if late_cls else self.token_layout
         num_heads = self.blocks[block if block is not None else 0].attn.num_heads
+        parent, _, slot = name.rpartition(".")
+        if block is not None and parent.endswith(".attn") and slot in PER_HEAD_SLOTS:
+            return {"block": block, "num_heads": 1, "layout": FoldedHeads(layout, num_heads),
+                    "num_prefix_tokens": layout.num_prefix_tokens, "pooled": False}
         return {"block": block, "num_heads": num_heads, "layout": layout,
                 "num_prefix_tokens": layout.num_prefix_tokens, "pooled": name == "fc_norm"}
 

@@ -51,3 +51,42 @@ class TokenLayout:
             raise ValueError(f"got {x.shape[1]} tokens, expected {self.num_prefix_tokens} prefix + "
                              f"{num_grid} grid tokens for grid {self.grid}")
         return x[:, :prefix], x[:, prefix:]
+
+
+class FoldedHeads:
+    """The layout seen by a per-head norm slot (the q / k / v norms of an attention): the tokens of
+    ``layout`` with the ``num_heads`` heads of each sample folded into the batch, ``(B * num_heads, N,
+    head_dim)`` with sample b's head h at ``b * num_heads + h``. The same grid and prefix tokens as
+    ``layout`` (read through, so the patch embedding's updates reach it), and ``positions`` -- the grid
+    tokens present, (B, M) -- repeated for each head. Like :class:`TokenLayout`, a plain shared object.
+    """
+
+    def __init__(self, layout: TokenLayout, num_heads: int) -> None:
+        self.layout, self.num_heads = layout, num_heads
+
+    @property
+    def grid(self) -> tuple[int, int] | None:
+        return self.layout.grid
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return self.layout.num_prefix_tokens
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        positions = self.layout.positions
+        return None if positions is None else positions.repeat_interleave(self.num_heads, dim=0)
+
+    @property
+    def num_grid_tokens(self) -> int:
+        return self.layout.num_grid_tokens
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layout.split(x)
+
+    def unfold(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B * num_heads, N, head_dim)`` -> the ``(B, N, num_heads * head_dim)`` tokens they came from
+        (each token's heads side by side, as the attention's channels are)."""
+        bh, n, d = x.shape
+        return x.reshape(bh // self.num_heads, self.num_heads, n, d).transpose(1, 2).reshape(
+            bh // self.num_heads, n, self.num_heads * d)

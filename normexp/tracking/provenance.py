@@ -26,11 +26,13 @@ PACKAGES = ("torch", "torchvision", "timm", "hydra-core", "omegaconf", "wandb", 
 # (backbone.zero_init), and runs of models that read none are the same runs with or without it
 NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress", "trainer.resume",
                      "norm.model_defaults")
-# Options added after runs were made, at the value that computes what the runs made before them computed:
-# left out of the identity at that value, so those runs keep theirs (trainer.decay_epochs: sched=step's
-# interval, null = timm's default, as before the option existed; trainer.lr_factor: 1 = the recipe's lr, as
-# before; also the same run whether written 1 or 1.0)
-UNSET_IDENTITY_KEYS: dict[str, object] = {"trainer.decay_epochs": None, "trainer.lr_factor": 1.0}
+# Options added after runs were made, left out of a run's identity while they hold the value that computes
+# what was computed before the option existed, so those runs keep theirs: trainer.decay_epochs (sched=step's
+# interval; null: timm's default), trainer.lr_factor (1: the recipe's lr, written 1 or 1.0), and the ViTs'
+# norm placement options (configs/backbone/family/vit.yaml) at the plain Pre-LN ViT.
+IDENTITY_DEFAULTS: dict[str, Any] = {"trainer.decay_epochs": None, "trainer.lr_factor": 1.0,
+                                     "backbone.norm_position": "pre", "backbone.qk_norm": False,
+                                     "backbone.layer_scale": None, "backbone.normformer": False}
 
 
 def seed_everything(seed: int) -> None:
@@ -81,14 +83,14 @@ def git_state(path: Path | None = None) -> dict[str, Any]:
 
 def config_hash(config: dict[str, Any]) -> str:
     """Identity of a run: sha256 of its resolved config (seed included), less ``NON_IDENTITY_KEYS`` and the
-    ``UNSET_IDENTITY_KEYS`` at their unset value."""
+    ``IDENTITY_DEFAULTS`` keys that hold their default."""
     identity = copy.deepcopy(config)
-    for key in (*NON_IDENTITY_KEYS, *UNSET_IDENTITY_KEYS):
+    for key in (*NON_IDENTITY_KEYS, *IDENTITY_DEFAULTS):
         *parents, leaf = key.split(".")
         node = identity
         for parent in parents:
             node = node.get(parent) if isinstance(node, dict) else None
-        if isinstance(node, dict) and leaf in node and \
-                (key not in UNSET_IDENTITY_KEYS or node[leaf] == UNSET_IDENTITY_KEYS[key]):
+        if isinstance(node, dict) and leaf in node and (
+                key not in IDENTITY_DEFAULTS or node[leaf] == IDENTITY_DEFAULTS[key]):
             node.pop(leaf)
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]

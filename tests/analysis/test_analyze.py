@@ -75,6 +75,23 @@ def test_analyze_writes_every_figure_of_every_family(tmp_path, backbone, norm):
     assert not [p for p in run_dir.iterdir() if p.name.startswith(".analysis")]
 
 
+def test_analyze_reads_the_added_slots_of_a_placement_per_head_ones_included(tmp_path):
+    """HybridNorm's per-head q / k / v slots see (B * heads, N, head_dim): the io and tokens figures count
+    their images, tokens and heads as the block's (8 px digits: a 4 x 4 grid, 4 heads of 24 channels)."""
+    run_dir = fake_run(tmp_path / "run", "backbone.norm_position=hybrid", "norm=dtn")
+    _, summary = cli.analyze(run_dir, ["io", "tokens"], images=3, seed=0, slots=["blocks.0.*"])
+    assert summary["slots"][:4] == ["blocks.0.attn.q_norm", "blocks.0.attn.k_norm", "blocks.0.attn.v_norm",
+                                    "blocks.0.norm2"]
+    [tokens] = json.loads((run_dir / "analysis" / "tokens.json").read_text())
+    assert tokens["slot"] == "blocks.0.norm2"  # the default: the first slot on the block's tokens
+    io = {row["slot"]: row for row in json.loads((run_dir / "analysis" / "io.json").read_text())}
+    assert set(io) == set(summary["slots"][:4])
+    assert all(row["grid"] == [4, 4] and row["n"] == io["blocks.0.norm2"]["n"] for row in io.values())
+    cli.analyze(run_dir, ["tokens"], images=3, seed=0, token_slot="blocks.0.attn.q_norm")
+    [tokens] = json.loads((run_dir / "analysis" / "tokens.json").read_text())
+    assert tokens["heads"] == 4 and tokens["grid"] == [4, 4] and len(tokens["input"]["maps"]) == 4
+
+
 def test_analyze_a_trained_dyt_run_from_the_command_line(dyt_run):
     rows = [r for r in read_metrics(dyt_run) if "val/top1" in r]
     assert rows[-1][ALPHA_KEY + "blocks.0.norm1"] > 0 and rows[-1][STD_KEY + "norm"] > 0
