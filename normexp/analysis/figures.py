@@ -6,9 +6,10 @@
     normexp figure render dtn_attention --scale smoke      # re-render from the run records only
 
 A figure spec (``configs/figure/<id>.yaml``) says which runs (``blocks``: Hydra sweeps, as a table's), which
-analysis (``io``, ``alpha``, ``tokens``, ``attention``) and which layers. Its runs are planned by the table
-planner, so a run another table or figure already has (the same resolved config) is reused, not trained
-again, and missing ones are launched by the table sweeper through any Hydra launcher (into
+analysis (``io``, ``alpha``, ``tokens``, ``attention`` of the trained models, or ``stability``: the runs'
+outcomes on a grid of two swept settings, ``grid: {x, y, panels}``) and which layers. Its runs are planned
+by the table planner, so a run another table or figure already has (the same resolved config) is reused,
+not trained again, and missing ones are launched by the table sweeper through any Hydra launcher (into
 ``<output root>/tables/<scale>/figure-<id>/``). ``run`` then analyses each row's run (its first seed) and
 renders ``results/figures/<id>.png`` with the runs side by side, ``<id>.json`` (the figure, its runs and
 the numbers) and, per analysis, ``<id>.csv`` / ``<id>_points.csv`` / ``<id>_history.csv``; the figures
@@ -48,6 +49,7 @@ from .render import (
     plot_alpha,
     plot_attention,
     plot_io,
+    plot_stability,
     plot_tokens,
     write_rows,
 )
@@ -55,7 +57,8 @@ from .render import (
 FIGURE_DIR = CONFIG_DIR / "figure"
 FIGURES_BEGIN, FIGURES_END = "<!-- figures:begin -->", "<!-- figures:end -->"
 FIGURE_KEYS = {"title", "source", "mirrors", "analysis", "rows", "blocks", "labels", "images", "seed",
-               "slots", "max_slots", "token_slot", "color_by", "points", "notes"}
+               "slots", "max_slots", "token_slot", "color_by", "points", "notes", "grid"}
+KINDS = (*ANALYSES, "stability")  # stability reads the runs' records only: no model is loaded
 
 
 def list_figures() -> list[str]:
@@ -80,6 +83,7 @@ class FigureSpec:
     color_by: str = "norm"
     points: int = 1000
     notes: str = ""
+    grid: dict[str, Any] = field(default_factory=dict)  # stability: {x: key, y: key, panels: [keys]}
 
     @property
     def table_id(self) -> str:
@@ -115,9 +119,13 @@ def load_figure(name: str) -> FigureSpec:
     unknown = sorted(set(data) - FIGURE_KEYS)
     if unknown:
         raise UserError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(FIGURE_KEYS)}")
-    if data.get("analysis") not in ANALYSES:
-        raise UserError(f"{path}: 'analysis' must be one of {', '.join(ANALYSES)}, "
-                        f"got {data.get('analysis')}")
+    if data.get("analysis") not in KINDS:
+        raise UserError(f"{path}: 'analysis' must be one of {', '.join(KINDS)}, got {data.get('analysis')}")
+    grid = data.get("grid") or {}
+    keys = {grid.get("x"), grid.get("y"), *(grid.get("panels") or [])}
+    if data["analysis"] == "stability" and (None in keys or not keys <= set(data.get("rows") or [])):
+        raise UserError(f"{path}: a stability figure needs grid: {{x: <row key>, y: <row key>, panels: "
+                        "[<row keys>]}, every key one of its rows")
     if not data.get("blocks") or not data.get("rows"):
         raise UserError(f"{path}: a figure needs 'rows' and 'blocks'")
     if data.get("color_by", "norm") not in ("norm", "token", "channel"):
@@ -130,7 +138,7 @@ def load_figure(name: str) -> FigureSpec:
         seed=int(data.get("seed", 0)), slots=(slots,) if isinstance(slots, str) else tuple(slots),
         max_slots=data.get("max_slots"), token_slot=data.get("token_slot"),
         color_by=data.get("color_by", "norm"), points=int(data.get("points", 1000)),
-        notes=str(data.get("notes", "")).strip())
+        notes=str(data.get("notes", "")).strip(), grid=grid)
 
 
 # ---------------------------------------------------------------- planning and running
@@ -174,6 +182,10 @@ def analyse_runs(spec: FigureSpec, runs: list[FigureRun]) -> None:
     """The figure's analysis of every row that has a trained model; why not for the others."""
     for row in runs:
         run = row.planned
+        if spec.analysis == "stability":  # the outcome is the result: a diverged run is shown
+            if run.record is None or run.status not in ("completed", "diverged"):
+                row.problem = f"{row.label}: {run.status}"
+            continue
         if run.record is None or run.status != "completed":
             row.problem = f"{row.label}: {run.status}" + (f" ({run.record.dir.name})" if run.record else "")
             continue
@@ -190,8 +202,54 @@ def analyse_runs(spec: FigureSpec, runs: list[FigureRun]) -> None:
             row.problem = f"{row.label}: {one_line(e)}"
 
 
+def stability_cells(spec: FigureSpec, plan: TablePlan) -> list[dict[str, Any]]:
+    """One cell per row of a stability figure (its first seed): its grid position, status, the step it
+    diverged at and its top-1."""
+    from ..tables.aggregate import metric_value
+
+    metric = spec.table().metrics[0]
+    cells: dict[str, dict[str, Any]] = {}
+    for point, run in sorted(plan.points, key=lambda pr: pr[0].seed):
+        panel = " / ".join(spec.label({k: point.labels[k]}) for k in spec.grid.get("panels") or [])
+        key = spec.label(point.labels)
+        if key in cells:
+            continue
+        summary = run.record.summary if run.record is not None else {}
+        x, y = spec.grid["x"], spec.grid["y"]
+        cells[key] = {"panel": panel or spec.title, "label": key, x: point.labels[x], y: point.labels[y],
+                      "seed": point.seed, "status": run.status,
+                      "diverged_step": (summary.get("diverged") or {}).get("step"),
+                      "top1": metric_value(metric, summary) if run.status == "completed" else None,
+                      "run_as": (run.config.get("backbone") or {}).get("name"), "run_id": run.run_id}
+    return list(cells.values())
+
+
+def render_stability(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_dir: Path) -> list[Path]:
+    cells = stability_cells(spec, plan)
+    members = sorted({str(c["run_as"]) for c in cells})
+    caption = (f"scale {plan.scale.name}: {', '.join(members)}; seed {min(c['seed'] for c in cells)}; "
+               f"{sum(c['status'] == 'completed' for c in cells)} completed, "
+               f"{sum(c['status'] == 'diverged' for c in cells)} diverged of {len(cells)}")
+    written = []
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        plot_stability(cells, Path(tmp) / f"{spec.id}.png", spec.grid["x"], spec.grid["y"],
+                       title=f"{spec.title} [{plan.scale.name} scale]", caption=caption)
+        record = {"figure": spec.id, "title": spec.title, "source": spec.source, "mirrors": spec.mirrors,
+                  "analysis": spec.analysis, "scale": plan.scale.name, "caption": caption,
+                  "rendered_at": _now(), "runs": [_run_entry(r) for r in runs], "numbers": cells}
+        (Path(tmp) / f"{spec.id}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+        write_rows(Path(tmp) / f"{spec.id}.csv", cells)
+        for path in sorted(Path(tmp).iterdir()):
+            path.replace(out_dir / path.name)
+            written.append(out_dir / path.name)
+    update_index(spec, plan, runs, out_dir)
+    return written
+
+
 def render_figure(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_dir: Path) -> list[Path]:
     """Draw the figure and write its numbers: into a temporary directory, then moved into ``out_dir``."""
+    if spec.analysis == "stability":
+        return render_stability(spec, plan, runs, out_dir)
     shown = [Shown(r.label, r.analysis) for r in runs if r.analysis is not None]
     problems = [r.problem for r in runs if r.problem]
     if not shown:
@@ -262,8 +320,9 @@ def _now() -> str:
 
 def update_index(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_dir: Path) -> None:
     """``index.json`` beside the figures, and the figures section of ``results/README.md`` built from it."""
+    shown = sum(r.analysis is not None or (spec.analysis == "stability" and not r.problem) for r in runs)
     entry = {"title": spec.title, "mirrors": spec.mirrors, "scale": plan.scale.name,
-             "runs": f"{sum(r.analysis is not None for r in runs)} of {len(runs)}", "rendered_at": _now()}
+             "runs": f"{shown} of {len(runs)}", "rendered_at": _now()}
     write_index(out_dir, spec.id, entry, "Figures", (FIGURES_BEGIN, FIGURES_END),
                 "| figure | what | mirrors | scale | runs shown | rendered |",
                 lambda fig_id, e: (f"| [{fig_id}](figures/{fig_id}.png) | {e['title']} | {e['mirrors']} | "

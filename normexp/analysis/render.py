@@ -371,3 +371,48 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     else:
         _write_json(path, rows)
 
+
+
+def plot_stability(cells: list[dict[str, Any]], path: Path, x: str, y: str, title: str = "",
+                   caption: str = "") -> None:
+    """One panel per ``panel`` label (a model and normalizer), ``x`` across and ``y`` down: each cell a run's
+    outcome -- its top-1 (colour), ``div@<step>`` (diverged, red) or why it has none (grey) -- as DyT Fig. 10
+    draws its stability grid."""
+    plt = _plt()
+    panels = list(dict.fromkeys(c["panel"] for c in cells))
+    xs = sorted({c[x] for c in cells}, key=float)
+    ys = sorted({c[y] for c in cells if c[y] is not None}, key=float) or [None]
+    top = [c["top1"] for c in cells if c["top1"] is not None]
+    lo, hi = (min(top), max(top)) if top else (0.0, 100.0)
+    cmap = plt.get_cmap("viridis")
+    size = (1.0 + 0.9 * len(xs) * len(panels), 2.2 + 0.55 * len(ys))
+    fig, axes = plt.subplots(1, len(panels), figsize=size, squeeze=False)
+    fig.subplots_adjust(bottom=0.9 / size[1], top=1 - 0.6 / size[1], wspace=0.15)
+    for k, (ax, panel) in enumerate(zip(axes[0], panels, strict=True)):
+        rows = [yv for yv in ys if any(c["panel"] == panel and c[y] == yv for c in cells)] or [None]
+        for i, yv in enumerate(rows):
+            for j, xv in enumerate(xs):
+                cell = next((c for c in cells if c["panel"] == panel and c[x] == xv and c[y] == yv), None)
+                if cell is None:
+                    continue
+                if cell["status"] == "diverged":
+                    color, text = "#d62728", f"div@{cell['diverged_step']}"
+                elif cell["top1"] is not None:
+                    color = cmap((cell["top1"] - lo) / (hi - lo) if hi > lo else 0.5)
+                    text = f"{cell['top1']:.1f}"
+                else:
+                    color, text = "#cccccc", cell["status"]
+                ax.add_patch(plt.Rectangle((j, i), 1, 1, color=color))
+                ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=7,
+                        color="white" if cell["status"] in ("diverged", "completed") else "black")
+        ax.set_xlim(0, len(xs))
+        ax.set_ylim(len(rows), 0)
+        ax.set_xticks([j + 0.5 for j in range(len(xs))], [str(v) for v in xs])
+        ax.set_yticks([i + 0.5 for i in range(len(rows))], ["—" if v is None else str(v) for v in rows])
+        ax.set_xlabel(x)
+        if k == 0:
+            ax.set_ylabel(y)
+        ax.set_title(panel, fontsize=9)
+    if title:
+        fig.suptitle(title)
+    _save(fig, path, caption, tight=False)

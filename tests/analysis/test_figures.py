@@ -75,7 +75,7 @@ def test_figure_renders_from_records_and_says_which_runs_are_missing(figure, tmp
     labels = [r["label"] for r in record["runs"]]
     assert labels == {"dtn_attention": ["LN", "IN", "DTN"], "dtn_tokens": ["LN", "IN", "DTN"],
                       "dyt_io": ["ViT-B / LN", "ViT-B / DyT", "DiT-XL/2 / LN", "DiT-XL/2 / DyT"],
-                      "dyt_alpha": ["DyT"]}[figure]
+                      "dyt_alpha": ["ViT-B / DyT", "ConvNeXt-B / DyT"]}[figure]
     if "IN" in labels:  # the diverged IN run is named, not drawn, and the exit status says so
         assert status == 1 and "IN: diverged" in capsys.readouterr().err
         in_dir = Path(next(r["dir"] for r in record["runs"] if r["label"] == "IN"))
@@ -93,6 +93,34 @@ def test_figure_renders_from_records_and_says_which_runs_are_missing(figure, tmp
     readme = (out.parent / "README.md").read_text()
     assert f"[{figure}](figures/{figure}.png)" in readme and figures.FIGURES_BEGIN in readme
     assert not [p for p in out.iterdir() if p.is_dir()]  # no temporary directory left
+
+
+def test_the_stability_grid_shows_each_runs_outcome_diverged_ones_included(tmp_path):
+    """DyT Fig. 10: one cell per alpha0 x lr per model and normalizer, a diverged run drawn with its step."""
+    spec = load_figure("dyt_stability")
+    plan = make_plan(spec, "smoke", None, [], root=tmp_path)
+    for i, run in enumerate(plan.runs):  # records only: the figure loads no model
+        run_dir = tmp_path / "tables" / "smoke" / "fabricated" / run.dir_name
+        run_dir.mkdir(parents=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(run.config))
+        factor = run.config["trainer"]["lr_factor"]
+        summary = {"status": "completed", "run_id": run.run_id, "metrics": {"final": {"val/top1": 60.0 + i}}}
+        if factor == 4.0:
+            summary = {"status": "diverged", "run_id": run.run_id, "diverged": {"step": 100 + i}}
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+    plan = make_plan(spec, "smoke", None, [], root=tmp_path)
+    out = tmp_path / "results" / "figures"
+    assert render(spec, plan, out) == 0
+    cells = json.loads((out / "dyt_stability.json").read_text())["numbers"]
+    assert len(cells) == 3 * (3 * 3 + 3)  # three sizes x (DyT: 3 alpha0 x 3 lr; LN: 3 lr)
+    models, norms = ("ViT-S", "ViT-B", "ViT-L"), ("LN", "DyT")
+    assert {c["panel"] for c in cells} == {f"{m} / {n}" for m in models for n in norms}
+    diverged = [c for c in cells if c["table.lr_factor"] == 4.0]
+    assert diverged and all(c["status"] == "diverged" and c["top1"] is None and c["diverged_step"] >= 100
+                            for c in diverged)
+    assert all(c["top1"] >= 60 for c in cells if c["table.lr_factor"] != 4.0)
+    assert {c["norm.alpha0"] for c in cells if c["panel"].endswith("LN")} == {None}
+    assert (out / "dyt_stability.png").stat().st_size > 10_000
 
 
 def test_unknown_figure_is_one_line_and_exit_2(capsys):
