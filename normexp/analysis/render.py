@@ -380,8 +380,12 @@ def plot_stability(cells: list[dict[str, Any]], path: Path, x: str, y: str, titl
     draws its stability grid."""
     plt = _plt()
     panels = list(dict.fromkeys(c["panel"] for c in cells))
-    xs = sorted({c[x] for c in cells}, key=float)
-    ys = sorted({c[y] for c in cells if c[y] is not None}, key=float) or [None]
+    def order(values: set[Any]) -> list[Any]:  # numbers ascending; a run without the key (None) first
+        return sorted(values, key=lambda v: (v is not None, float(v) if isinstance(v, (int, float)) else 0.0,
+                                             str(v)))
+
+    xs = order({c[x] for c in cells})
+    ys = order({c[y] for c in cells if c[y] is not None}) or [None]
     top = [c["top1"] for c in cells if c["top1"] is not None]
     lo, hi = (min(top), max(top)) if top else (0.0, 100.0)
     cmap = plt.get_cmap("viridis")
@@ -407,7 +411,7 @@ def plot_stability(cells: list[dict[str, Any]], path: Path, x: str, y: str, titl
                         color="white" if cell["status"] in ("diverged", "completed") else "black")
         ax.set_xlim(0, len(xs))
         ax.set_ylim(len(rows), 0)
-        ax.set_xticks([j + 0.5 for j in range(len(xs))], [str(v) for v in xs])
+        ax.set_xticks([j + 0.5 for j in range(len(xs))], ["—" if v is None else str(v) for v in xs])
         ax.set_yticks([i + 0.5 for i in range(len(rows))], ["—" if v is None else str(v) for v in rows])
         ax.set_xlabel(x)
         if k == 0:

@@ -20,7 +20,8 @@ constructors and one yaml per size in ``configs/backbone/``. The rest of the sui
   image to it), else None.
 * ``residual_scales``: fnmatch patterns (relative to the model) of the modules whose output is a residual
   branch's up to a per-channel or scalar factor -- each block's attention and MLP: where a
-  normalization-free rule scales the branches (``norm=skipinit``'s gates).
+  normalization-free rule scales the branches (``norm=skipinit``'s gates); ``branches_start_closed``: True
+  when the model's own gates start those branches at zero (DiT's adaLN-Zero), which such a rule refuses.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Backbone(nn.Module):
     norm_keep: Sequence[str] = ()
     fixed_input_size: tuple[int, int] | None = None
     residual_scales: Sequence[str] = ()
+    branches_start_closed: bool = False
 
     def features(self, x: torch.Tensor) -> list[torch.Tensor]:
         """NCHW maps at ``feature_strides``, finest first."""

@@ -133,6 +133,7 @@ class DiT(nn.Module):
         self.in_chans, self.patch, self.num_classes = in_chans, patch_size, num_classes
         self.out_chans = in_chans * 2 if learn_sigma else in_chans
         self.learn_sigma, self.zero_init = learn_sigma, zero_init
+        self.branches_start_closed = zero_init in ("all", "blocks")  # adaLN-Zero: see norms/normfree.py
         self.x_embedder = PatchEmbed(input_size, patch_size, in_chans, hidden_size, bias=True)
         self.grid = self.x_embedder.grid_size
         self.t_embedder = TimestepEmbedder(hidden_size)

@@ -17,7 +17,11 @@ modules a model names in ``residual_scales``) and m the number of weight layers 
    (plus ``fixup_bias`` / ``fixup_scale`` on those modules).
 
 A branch a model names by its last module (ResNet's ``bn3``, Fixup's own case: m = 3, ``L ** -0.25``) is the
-weight layers its parent registers before it (a Bottleneck's ``conv1``-``conv3``; ``downsample`` comes after).
+weight layers its parent registers before it (a Bottleneck's ``conv1``-``conv3``; ``downsample`` comes after;
+its one shared ``relu`` comes after too: no bias before the activations there). Where the families differ:
+PVT's spatial reduction ``sr`` is scaled as the first value-path layer; LeViT's fused ``qkv.linear``
+interleaves q, k and v per head, so it is scaled whole, queries and keys included; ConvNeXt's branch is its
+MLP (the depthwise conv and norm before it keep their initialisation).
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .normfree import NoNorm, branch_modules, residual_branches
+from .normfree import NoNorm, branch_modules, classifier_layers, residual_branches
 from .registry import register_norm
 
 WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
 ACTIVATIONS = (nn.GELU, nn.ReLU, nn.SiLU, nn.Hardswish, nn.ReLU6, nn.Tanh)
 QUERY_KEY = ("q", "k")  # projections that only feed the attention's weights
+FIRST = ("sr",)  # PVT's spatial reduction feeds the keys and values, though PVT registers it after ``proj``
 
 
 def _shift_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -85,6 +90,7 @@ class Fixup(NoNorm):
         for name, branch in zip(residual_branches(model), branches, strict=True):
             layers = branch_layers(model, name, branch)
             path = [(n, m) for n, m in layers if n.rsplit(".", 1)[-1] not in QUERY_KEY]
+            path.sort(key=lambda nm: nm[0].rsplit(".", 1)[-1] not in FIRST)  # stable: registration order
             if not path:
                 raise ValueError(f"norm=fixup: a residual branch ({type(branch).__name__}) has no weights")
             scale = depth ** (-1 / (2 * len(path) - 2)) if len(path) > 1 else 1.0
@@ -102,9 +108,8 @@ class Fixup(NoNorm):
             branch.register_parameter("fixup_scale", _scalar(1.0))
             branch.register_parameter("fixup_bias", _scalar(0.0))
             branch.register_forward_hook(_scale_output)
-        classifier = model.get_classifier() if hasattr(model, "get_classifier") else None
-        if isinstance(classifier, nn.Linear):
-            with torch.no_grad():
-                classifier.weight.zero_()
-                if classifier.bias is not None:
-                    classifier.bias.zero_()
+        with torch.no_grad():
+            for layer in classifier_layers(model):
+                layer.weight.zero_()
+                if layer.bias is not None:
+                    layer.bias.zero_()

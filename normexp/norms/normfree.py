@@ -52,12 +52,27 @@ def residual_branches(model: nn.Module) -> list[str]:
 
 def branch_modules(model: nn.Module, method: str) -> list[nn.Module]:
     """The residual branches of ``model`` (:func:`residual_branches`) for a normalization-free ``method``,
-    which cannot apply to a model that names none."""
+    which cannot apply to a model that names none, nor to one whose branches already start closed by gates of
+    their own (DiT's adaLN-Zero: two zero factors in a row, and no branch would ever learn)."""
     names = residual_branches(model)
     if not names:
         raise ValueError(f"{method} works on residual branches, and {type(model).__name__} names none "
                          "(residual_scales in normexp/models/base.py)")
+    gated = [m for m in model.modules() if getattr(m, "branches_start_closed", False)]
+    if gated:
+        raise ValueError(f"{method} closes the residual branches at init, and {type(gated[0]).__name__}'s "
+                         "zero-initialised gates already do: no branch would ever learn; build it with "
+                         "backbone.zero_init=none")
     return [model.get_submodule(name) for name in names]
+
+
+def classifier_layers(model: nn.Module) -> list[nn.Module]:
+    """Every weight layer of the model's classifier(s): ``get_classifier()`` as timm's models name it (LeViT
+    returns two, its distillation head too), else ``head``; none for a model without one."""
+    found = model.get_classifier() if hasattr(model, "get_classifier") else getattr(model, "head", None)
+    heads = found if isinstance(found, (tuple, list)) else [found]
+    return [m for head in heads if isinstance(head, nn.Module) for m in head.modules()
+            if isinstance(m, (nn.Linear, nn.Conv2d))]
 
 
 def _gated(module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ through ``v^T W u``); gamma starts at the initial sigma; a converted layer is re
 own initialisation); a conv's weight is its (out, in x k x k) matrix. Ours is a
 ``torch.nn.utils.parametrize`` parametrization of the weight (``<layer>.parametrizations.weight``), with the
 power iteration in float32 under autocast as the repository's ``FP32SpectralNormedWeight``. The classifier
-stays plain (``plain``): the repository's ``vision/vit.py`` converts a ViT built without one.
+(``get_classifier()``) stays plain unless ``convert_classifier``: the repository's ``vision/vit.py`` converts
+a ViT built without one; ``plain`` names more layers to leave (fnmatch).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .normfree import NoNorm
+from .normfree import NoNorm, classifier_layers
 from .registry import register_norm
 
 CONVERTED = (nn.Linear, nn.Conv2d)
@@ -81,15 +82,17 @@ class SigmaReparam(NoNorm):
     hparam_checks = {"linear_init_gain": {"above": 0}, "conv_init_gain": {"above": 0}}
 
     def __init__(self, dim: int, reinit: bool = True, linear_init_gain: float = 1.0,
-                 conv_init_gain: float = 1.0, plain: tuple[str, ...] = ("head",),
+                 conv_init_gain: float = 1.0, convert_classifier: bool = False, plain: tuple[str, ...] = (),
                  data_format: str = "channels_last") -> None:
         super().__init__(dim, data_format)
 
     @staticmethod
     def adapt_model(model: nn.Module, reinit: bool = True, linear_init_gain: float = 1.0,
-                    conv_init_gain: float = 1.0, plain: tuple[str, ...] = ("head",)) -> None:
+                    conv_init_gain: float = 1.0, convert_classifier: bool = False,
+                    plain: tuple[str, ...] = ()) -> None:
+        kept = [] if convert_classifier else classifier_layers(model)
         layers = [(n, m) for n, m in model.named_modules() if isinstance(m, CONVERTED)
-                  and not any(fnmatch.fnmatchcase(n, p) for p in plain)]
+                  and not any(m is k for k in kept) and not any(fnmatch.fnmatchcase(n, p) for p in plain)]
         for name, layer in layers:
             if reinit:
                 reinitialise(layer, linear_init_gain if isinstance(layer, nn.Linear) else conv_init_gain)

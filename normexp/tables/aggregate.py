@@ -208,14 +208,17 @@ def aggregate(plan: TablePlan) -> TableResult:
 
 
 def choose(spec: TableSpec, row: Row) -> None:
-    """``row.sweep`` (each swept value's cell of the best_of metric) and ``row.choice``, the best value with
-    a result (the first of equals, in the blocks' order)."""
+    """``row.sweep`` (each swept value's cell of the best_of metric) and ``row.choice``, the best value whose
+    seeds all completed (the first of equals, in the blocks' order)."""
     best = spec.best_of
     metric = next(m for m in spec.metrics if m.key == best.metric)
     for value in dict.fromkeys(p.choice for p, _ in row.points):
         runs = Row(row.labels, [(p, r) for p, r in row.points if p.choice == value])
         row.sweep[value] = _cell(spec, metric, runs, None)
-    scored = [(v, c.mean) for v, c in row.sweep.items() if c.mean is not None]
+    # a value is a candidate when every seed of it completed (one diverged seed makes it a diverged value);
+    # where none is, the values with any completed seed
+    whole = [(v, c.mean) for v, c in row.sweep.items() if c.mean is not None and not c.markers]
+    scored = whole or [(v, c.mean) for v, c in row.sweep.items() if c.mean is not None]
     for value, mean in scored:
         if row.choice is None or best.better(mean, row.sweep[row.choice].mean):
             row.choice = value

@@ -186,6 +186,9 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
         point.labels = {key: OmegaConf.select(paper_cfg, key) for key in spec.label_keys}
         if spec.best_of:
             point.choice = OmegaConf.select(paper_cfg, spec.best_of.key)
+            if point.choice is None:
+                raise UserError(f"table {spec.id}: the block '{' '.join(point.overrides)}' sets no value of "
+                                f"best_of.key {spec.best_of.key}: every block of a best_of table sweeps it")
         point.paper = resolved(paper_cfg)
         overrides = scale.apply(point.overrides, point.task) + list(extra)
         overrides, blocked, needs = _resolve_links(overrides, point, spec, scale, seeds, compose, root,

@@ -23,6 +23,7 @@ from timm.data import Mixup
 from timm.layers import trunc_normal_
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..data import build_classification_data
 from ..engine.checkpoint import checkpoint_run_config, reported_weights
@@ -134,8 +135,9 @@ def start_from(model: nn.Module, cfg: Any, record: RunRecord) -> None:
     if not isinstance(head, nn.Linear):
         raise UserError(f"task.head_init_std / task.linear_probe need a linear classifier 'head'; "
                         f"{type(model).__name__} has none")
-    if cfg.task.head_init_std:
-        trunc_normal_(head.weight, std=cfg.task.head_init_std)
+    if cfg.task.head_init_std:  # a parametrized head (norm.convert_classifier) is initialised at its source
+        trunc_normal_(head.parametrizations.weight.original if parametrize.is_parametrized(head, "weight")
+                      else head.weight, std=cfg.task.head_init_std)
         nn.init.zeros_(head.bias)
     if cfg.task.linear_probe:
         for parameter in model.parameters():

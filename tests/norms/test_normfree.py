@@ -144,6 +144,21 @@ def test_sigma_reparam_converts_every_weight_but_the_classifier_and_leaves_no_no
                                qkv.parametrizations.weight[0].gamma.detach()[0])
 
 
+def test_the_classifier_stays_plain_in_every_family_and_fixup_zeroes_it_and_each_branch_output():
+    """Swin's classifier is head.fc, LeViT's two NormLinear heads; PVT registers its spatial reduction after
+    the output projection, which Fixup still zeroes."""
+    for name, heads in (("swin_micro", ["head.fc"]), ("levit_micro", ["head.linear", "head_dist.linear"])):
+        cfg = compose_cfg(f"backbone={name}", "norm=sigma_reparam")
+        model = build_backbone(cfg.backbone, cfg.norm)
+        assert not any(parametrize_is(model.get_submodule(h)) for h in heads)
+        cfg = compose_cfg(f"backbone={name}", "norm=fixup")
+        model = build_backbone(cfg.backbone, cfg.norm)
+        assert not any(model.get_submodule(h).weight.any() for h in heads)
+    cfg = compose_cfg("backbone=pvt_micro", "norm=fixup")
+    attn = build_backbone(cfg.backbone, cfg.norm).block1[0].attn
+    assert attn.sr is not None and not attn.proj.weight.any() and attn.sr.weight.any()
+
+
 def parametrize_is(module: nn.Module) -> bool:
     return torch.nn.utils.parametrize.is_parametrized(module, "weight")
 

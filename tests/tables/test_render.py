@@ -163,6 +163,12 @@ def test_a_best_of_table_shows_each_rows_best_completed_lr_and_every_lr_tried(tm
     assert rows["ViT-A DyT"][3:5] == ["0.5", "0.5: 76.00 (1); 1.0: diverged@40"]
     assert rows["ViT-A DyT"][7] == "76.00 (1)" and rows["ViT-A DyT"][9] == "+2.00"  # against LN's best
     assert rows["ViT-B LN"][3:5] == ["—", "1.0: diverged@40"] and rows["ViT-B LN"][7] == "diverged@40"
+    # with two seeds, a value one of whose seeds diverged is not chosen over one whose seeds all completed
+    runs.update({("vit_a", "dyt", 1, 0.5): diverged, ("vit_a", "dyt", 0, 2.0): top1(70.0),
+                 ("vit_a", "dyt", 1, 2.0): top1(71.0)})
+    (tmp_path / "two").mkdir()
+    two = md_rows(to_markdown(aggregate(fabricated_plan(tmp_path / "two", spec, runs))))
+    assert two["ViT-A DyT"][3] == "2.0" and two["ViT-A DyT"][7] == "70.50 ± 0.71 (2)"
     assert "the best of its runs' `trainer.lr_factor` values by Top-1" in md
     by = {(r["backbone.name"], r["norm.name"], r["metric"]): r
           for r in csv.DictReader(io.StringIO(to_csv(result)))}
