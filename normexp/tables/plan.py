@@ -275,16 +275,53 @@ def is_hydra_override(override: str) -> bool:
 
 
 def memoized(compose: ComposeFn) -> ComposeFn:
-    """``compose`` run once per override list; every call gets its own copy to change."""
+    """``compose`` run once per list of config-group choices; the overrides of values are then applied to a
+    copy as Hydra applies them after composing (``ConfigLoaderImpl._apply_overrides_to_config``, hydra-core
+    1.3), so a sweep over values (an lr, an alpha0) composes once. Hydra's own rule tells the two apart: an
+    override is a group choice when its key names a config group of the search path."""
     composed: dict[tuple[str, ...], DictConfig] = {}
 
     def compose_once(overrides: list[str]) -> DictConfig:
-        key = tuple(overrides)
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+        choices, values = split_overrides(overrides)
+        key = tuple(choices)
         if key not in composed:
-            composed[key] = compose(list(overrides))
-        return copy.deepcopy(composed[key])
+            composed[key] = compose(list(choices))
+        cfg = copy.deepcopy(composed[key])
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        return cfg
 
     return compose_once
+
+
+_REPOSITORIES: dict[tuple[str, ...], Any] = {}
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], list[Any]]:
+    """(the overrides that shape the defaults list: group choices, deletions, Hydra's own; the parsed
+    overrides of config values), as Hydra's ``defaults_list.Overrides`` splits them."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from .. import CONFIG_DIR
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    searchpath = tuple(o.input_line for o in parsed if o.is_hydra_override())
+    if searchpath not in _REPOSITORIES:  # the repository a compose with these Hydra settings searches
+        loader = ConfigLoaderImpl(create_config_search_path(str(CONFIG_DIR)))
+        _, repository = loader._parse_overrides_and_create_caching_repo("train", list(searchpath))
+        _REPOSITORIES[searchpath] = repository
+    repository = _REPOSITORIES[searchpath]
+    choices, values = [], []
+    for override in parsed:
+        group = repository.group_exists(override.key_or_group) and not isinstance(override.value(), dict)
+        if group or override.is_hydra_override() or override.is_delete():
+            choices.append(override.input_line)
+        else:
+            values.append(override)
+    return choices, values
 
 
 @contextmanager
@@ -298,8 +335,10 @@ def hydra_composer(hydra_overrides: Iterable[str] = ()) -> Iterator[ComposeFn]:
     from .. import CONFIG_DIR
 
     first = list(hydra_overrides)
-    # a table's points share overrides (grand: most of all)
-    compose_train = memoized(lambda overrides: compose(config_name="train", overrides=[*first, *overrides]))
+    compose_once = memoized(lambda overrides: compose(config_name="train", overrides=overrides))
+
+    def compose_train(overrides: list[str]) -> DictConfig:
+        return compose_once([*first, *overrides])
 
     if GlobalHydra.instance().is_initialized():
         yield compose_train

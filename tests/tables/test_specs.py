@@ -132,9 +132,7 @@ def experiment_of(overrides: list[str]) -> str:
     return next(o.partition("=")[2] for o in overrides if o.startswith("experiment="))
 
 
-@pytest.mark.parametrize("table", list_tables())
-def test_full_scale_runs_are_the_papers_recipes(plans, table):
-    plan = plans[table, "full"]
+def check_full_scale_runs_are_the_papers_recipes(table, plan):
     assert plan.runs
     for run in plan.runs:
         experiment = experiment_of(run.points[0].overrides)
@@ -152,20 +150,17 @@ def test_full_scale_runs_are_the_papers_recipes(plans, table):
         assert get_path(run.config, "data.name") in ("imagenet", "coco")
 
 
-@pytest.mark.parametrize("table", list_tables())
-def test_smoke_scale_runs_on_a_laptop(plans, table):
+def check_smoke_scale_runs_on_a_laptop(plan):
     """Micro members on the embedded data, 8 epochs -- the pre-training and generative tasks their demos'
     (MAE 30 epochs of a fast step, DINO 10, DiT 100 of 8 px digits)."""
-    for run in plans[table, "smoke"].runs:
+    for run in plan.runs:
         assert get_path(run.config, "backbone.name").endswith(("_micro", "_micro_star")), run.overrides
         assert get_path(run.config, "data.name") in ("digits", "coco_digits")
         budget = {"mae": 30, "dino": 10, "dit": 100}.get(get_path(run.config, "task.name"), 8)
         assert get_path(run.config, "trainer.epochs") <= budget
 
 
-@pytest.mark.parametrize("table", list_tables())
-def test_paper_entries_and_baselines_name_existing_rows(plans, table):
-    plan = plans[table, "full"]
+def check_paper_entries_and_baselines_name_existing_rows(table, plan):
     spec = plan.spec
     rows = {tuple(str(p.labels[k]) for k in spec.label_keys) for p, _ in plan.points}
     for entry in spec.paper:
@@ -177,13 +172,22 @@ def test_paper_entries_and_baselines_name_existing_rows(plans, table):
     assert spec.paper or spec.paper_note or not spec.source, f"{table}: give paper values or say why none"
 
 
-@pytest.mark.parametrize("scale", ["smoke", "full"])
-def test_every_dtn_row_starts_its_position_weights_as_the_released_code(plans, scale):
+def check_dtn_rows_start_their_position_weights_as_the_released_code(plan):
     """wqshao126/DTN's models re-initialise DTN's pos_proj with trunc-normal(0.02) after building it
     (models/vit_norm_mix.py, models/pvt_norm.py): every DTN row, at every scale, runs with pos_init=random."""
-    runs = [r for t in list_tables() for r in plans[t, scale].runs
-            if get_path(r.config, "norm.name") == "dtn"]
-    assert runs and all(get_path(r.config, "norm.pos_init") == "random" for r in runs)
+    runs = [r for r in plan.runs if get_path(r.config, "norm.name") == "dtn"]
+    assert all(get_path(r.config, "norm.pos_init") == "random" for r in runs)
+
+
+@pytest.mark.parametrize("table", list_tables())
+def test_every_table_plans_the_papers_recipes_at_full_scale_and_micro_members_at_smoke(plans, table):
+    """One test per table, so that one worker plans each table (planning composes every point: seconds)."""
+    full, smoke = plans[table, "full"], plans[table, "smoke"]
+    check_full_scale_runs_are_the_papers_recipes(table, full)
+    check_paper_entries_and_baselines_name_existing_rows(table, full)
+    check_smoke_scale_runs_on_a_laptop(smoke)
+    check_dtn_rows_start_their_position_weights_as_the_released_code(full)
+    check_dtn_rows_start_their_position_weights_as_the_released_code(smoke)
 
 
 def test_classification_tables_read_the_reported_weights():
@@ -215,3 +219,27 @@ def test_table_runs_are_named_after_the_rows_they_serve(plans):
     assert "+table.metric=final/val/top1" in overrides
     job = plans.compose([o for o in overrides if not o.startswith("hydra.")])
     assert display_name(OmegaConf.to_container(job, resolve=True)) == plan.run_name(plan.runs[0])
+
+
+def test_composing_once_per_group_choice_is_hydras_composition(tmp_path):
+    """Planning composes once per list of group choices and applies value overrides to a copy: the result
+    is Hydra's own composition, for sweeps of values, additions, forced keys, lists, interpolations,
+    deletions and a group that only a user's search path has."""
+    from hydra import compose
+    from omegaconf import OmegaConf
+
+    (tmp_path / "configs" / "extra").mkdir(parents=True)
+    (tmp_path / "configs" / "extra" / "short.yaml").write_text("# @package _global_\ntrainer:\n  epochs: 3\n")
+    first = [f"hydra.searchpath=[file://{tmp_path}/configs]"]
+    cases = [
+        ["experiment=dyt_imagenet", "backbone=vit_base", "norm=dyt", "trainer.lr_factor=1.5",
+         "+table.lr_factor=${trainer.lr_factor}"],
+        ["experiment=dyt_imagenet", "backbone=vit_base", "norm=dyt", "trainer.lr_factor=0.5",
+         "+table.lr_factor=${trainer.lr_factor}"],
+        ["task=mae", "norm=dyt", "norm.alpha0=2.0", "++trainer.extra=1", "trainer.decay_milestones=[2]"],
+        ["experiment=mae_finetune", "task.pretrained=/a/b", "~trainer.ema", "+extra=short"],
+    ]
+    with hydra_composer(first) as fast:
+        for overrides in cases:
+            expected = OmegaConf.to_container(compose(config_name="train", overrides=[*first, *overrides]))
+            assert OmegaConf.to_container(fast(overrides)) == expected, overrides
