@@ -179,6 +179,14 @@ class TableSpec:
                 return {**labels, **rule["set"]}
         return None
 
+    def baseline_keys(self, labels: dict[str, Any]) -> tuple[str, ...]:
+        """The keys the baseline rule of ``labels`` sets (what tells a row from its baseline row)."""
+        for rule in self.baseline:
+            when = rule.get("when", {})
+            if all(fnmatch.fnmatchcase(str(labels.get(k)), str(v)) for k, v in when.items()):
+                return tuple(rule["set"])
+        return ()
+
     def paper_value(self, labels: dict[str, Any], metric: str) -> Any:
         for entry in self.paper:
             if all(str(entry.get(k)) == str(labels[k]) for k in self.label_keys) and metric in entry:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
+WITHIN_NOISE = "≈"  # the mark of a delta whose interval contains 0, the same in every format and plot
 CONFIDENCE = 0.95
 N_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0  # the same intervals on every render of the same records
@@ -58,6 +59,13 @@ class Interval:
 def _t_around(estimate: float, se: float, df: float, n: int, kind: str, confidence: float) -> Interval:
     half = 0.0 if se == 0 else float(stats.t.ppf((1 + confidence) / 2, df)) * se
     return Interval(estimate, estimate - half, estimate + half, n, df, kind)
+
+
+def by_seed(seeds: Sequence[Hashable], values: Sequence[float]) -> dict[Hashable, float]:
+    """``values`` keyed by their seeds (by seed and position where a seed repeats)."""
+    if len(set(seeds)) == len(seeds):
+        return dict(zip(seeds, values, strict=True))
+    return {(s, i): v for i, (s, v) in enumerate(zip(seeds, values, strict=True))}
 
 
 def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval | None:
