@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
+
+# scipy.stats is imported where it is used: reading a table's spec or ``normexp compare --help`` stays quick
 
 WITHIN_NOISE = "≈"  # the mark of a delta whose interval contains 0, the same in every format and plot
 CONFIDENCE = 0.95
@@ -57,6 +58,8 @@ class Interval:
 
 
 def _t_around(estimate: float, se: float, df: float, n: int, kind: str, confidence: float) -> Interval:
+    from scipy import stats
+
     half = 0.0 if se == 0 else float(stats.t.ppf((1 + confidence) / 2, df)) * se
     return Interval(estimate, estimate - half, estimate + half, n, df, kind)
 
@@ -137,6 +140,8 @@ def bootstrap_interval(samples: Sequence[Sequence[float]], statistic: Callable[.
                        confidence: float = CONFIDENCE, n_resamples: int = N_RESAMPLES) -> tuple[float, float]:
     """The percentile interval of ``statistic(*samples, axis=-1)`` under the stratified bootstrap: each
     sample resampled with replacement within itself (``scipy.stats.bootstrap`` with ``paired=False``)."""
+    from scipy import stats
+
     seed = {"rng": BOOTSTRAP_SEED} if "rng" in inspect.signature(stats.bootstrap).parameters \
         else {"random_state": BOOTSTRAP_SEED}
     found = stats.bootstrap(tuple(np.asarray(s, dtype=float) for s in samples), statistic, paired=False,
@@ -198,6 +203,8 @@ def mean_ranks(strata: Sequence[Mapping[Hashable, Sequence[float]]], higher_is_b
     """Each method's rank by its mean in each stratum (1: best; ties share the mean of their ranks), averaged
     over the strata it is in (Agarwal et al. 2021's rank aggregate), with a stratified bootstrap interval
     (each method's runs resampled within their stratum); no interval where some run set has one run."""
+    from scipy import stats
+
     sign = -1.0 if higher_is_better else 1.0  # rank 1 for the best
     strata = [{m: list(v) for m, v in s.items() if len(v)} for s in strata]
     methods = list(dict.fromkeys(m for s in strata for m in s))

@@ -217,7 +217,7 @@ def test_written_files_and_results_index(tmp_path):
 
 
 def drawn_bars(result, tmp_path, monkeypatch) -> list[dict]:
-    """Every bar ``plot_bars`` draws: its x, colour, hatch and legend label."""
+    """Every bar ``plot_bars`` draws: its x, colour, hatch, legend label, error bar and edge style."""
     from matplotlib.axes import Axes
 
     from normexp.tables.render import plot_bars
@@ -225,7 +225,8 @@ def drawn_bars(result, tmp_path, monkeypatch) -> list[dict]:
     bars, real_bar = [], Axes.bar
 
     def bar(self, x, height, width, **kw):
-        bars.append({"x": x, "color": kw.get("color"), "hatch": kw.get("hatch"), "label": kw.get("label")})
+        bars.append({"x": x, "color": kw.get("color"), "hatch": kw.get("hatch"), "label": kw.get("label"),
+                     "yerr": kw.get("yerr"), "linestyle": kw.get("linestyle")})
         return real_bar(self, x, height, width, **kw)
 
     monkeypatch.setattr(Axes, "bar", bar)
