@@ -4,12 +4,17 @@
     normexp compare norm.name=dyt "backbone.name=vit_*" --metrics val/top1,val/top5,params
     normexp compare --group-by backbone.name,norm.name,norm.squash --tag classification --format csv
     normexp compare --table dyt_squash --scale smoke        # the runs of a table, grouped by its rows
+    normexp compare "backbone.name=vit_*" --baseline norm.name=ln   # each group's delta against its LN group
 
 Reads every ``summary.json`` (and its ``config.yaml``) under ``--root`` (default ``$NORMEXP_OUTPUT_DIR`` or
 ``outputs``), keeps the runs that match every ``KEY=PATTERN`` filter (fnmatch on the config value at a dotted
 path) and every ``--tag`` (the W&B tags: backbone, norm, task, data and the config's ``tags``), groups them by
-the ``--group-by`` config paths and prints each metric as mean +- std (n) over the completed runs of a group,
-with the runs that diverged or failed counted beside. Metrics: summary paths (``params``,
+the ``--group-by`` config paths and prints each metric as mean ± the half-width of its 95 % Student t interval
+(n) over the completed runs of a group (``mean (1 run)``: no interval), with the runs that diverged or failed
+counted beside. ``--baseline KEY=VALUE`` (KEY one of the group-by paths) adds each metric's delta against the
+group with KEY set to VALUE, as the tables do: paired by seed where both groups completed the same seeds (the
+mean and t interval of the per-seed differences), Welch's interval otherwise (marked), ``≈`` where the
+interval contains 0 (within noise). Metrics: summary paths (``params``,
 ``metrics.best.val/top1``), or a bare name for the final evaluation (``val/top1`` means
 ``metrics.final.val/top1``). With ``--table`` the runs are the table's (its plan at ``--scale``), grouped by
 its row labels, and the default metrics are its columns: the numbers the rendered table shows.
@@ -23,11 +28,13 @@ import fnmatch
 import io
 import statistics
 import sys
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .tables import stats
 from .tables.spec import Metric, get_path
 from .tracking.records import Record, index_records, output_root, warn_damaged
 
@@ -39,6 +46,7 @@ class Entry:
     labels: dict[str, Any]
     record: Record
     config: dict[str, Any]
+    seed: Hashable = None  # the run's seed: what deltas pair by
 
 
 def metric_spec(name: str) -> Metric:
@@ -60,7 +68,8 @@ def matches(config: dict[str, Any], filters: list[tuple[str, str]], tags: list[s
 def entries_from_records(root: Path, group_by: list[str]) -> list[Entry]:
     entries = []
     for record in index_records(root, with_config=True).values():  # a damaged record: skipped, named
-        entries.append(Entry({k: get_path(record.config, k) for k in group_by}, record, record.config))
+        entries.append(Entry({k: get_path(record.config, k) for k in group_by}, record, record.config,
+                             get_path(record.config, "seed")))
     return entries
 
 
@@ -78,12 +87,31 @@ def entries_from_table(table: str, scale: str, seeds: tuple[int, ...] | None, gr
         if record is None or record.damage is not None:
             continue
         labels = {k: point.labels[k] if k in point.labels else get_path(record.config, k) for k in keys}
-        entries.append(Entry(labels, record, record.config))
+        entries.append(Entry(labels, record, record.config, point.seed))
     return entries, list(plan.spec.metrics), keys
 
 
-def summarise(entries: list[Entry], metrics: list[Metric]) -> list[dict[str, Any]]:
-    """One line per group: the labels, n runs by status, and mean/std/n per metric over completed runs."""
+@dataclass
+class Summary:
+    """One metric of one group: its completed runs' values by seed, their t interval and std; the delta
+    against the baseline group (``--baseline``) with its interval."""
+
+    values: dict[Hashable, float]
+    delta: stats.Interval | None = None
+
+    @property
+    def interval(self) -> stats.Interval | None:
+        return stats.t_interval(list(self.values.values()))
+
+    @property
+    def std(self) -> float | None:
+        return statistics.stdev(self.values.values()) if len(self.values) > 1 else None
+
+
+def summarise(entries: list[Entry], metrics: list[Metric],
+              baseline: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+    """One line per group: the labels, n runs by status, and per metric a :class:`Summary` over the completed
+    runs -- with, given ``baseline`` (KEY, VALUE), its delta against the group whose KEY is VALUE."""
     from .tables.aggregate import metric_value
 
     groups: dict[tuple[str, ...], list[Entry]] = {}
@@ -97,35 +125,99 @@ def summarise(entries: list[Entry], metrics: list[Metric]) -> list[dict[str, Any
         line["not completed"] = ", ".join(f"{sum(e.record.status == s for e in members)} {s}"
                                           for s in sorted({e.record.status for e in members} - {"completed"}))
         for metric in metrics:
-            values = [v for e in completed if (v := metric_value(metric, e.record.summary)) is not None]
-            line[metric.key] = (statistics.fmean(values) if values else None,
-                                statistics.stdev(values) if len(values) > 1 else None, len(values))
+            found = [(e.seed, v) for e in completed
+                     if (v := metric_value(metric, e.record.summary)) is not None]
+            line[metric.key] = Summary(stats.by_seed([s for s, _ in found], [v for _, v in found]))
         lines.append(line)
+    if baseline is not None:
+        key, value = baseline
+        by_labels = {tuple(str(line[k]) for k in members[0].labels): line
+                     for line, members in zip(lines, groups.values(), strict=True)}
+        for line, members in zip(lines, groups.values(), strict=True):
+            labels = {k: str(line[k]) for k in members[0].labels}
+            base = by_labels.get(tuple({**labels, key: value}.values()))
+            if base is None or base is line:
+                continue
+            for metric in metrics:
+                own, ref = line[metric.key].values, base[metric.key].values
+                if own and ref:
+                    line[metric.key].delta = stats.delta(own, ref)
     return lines
 
 
-def render(lines: list[dict[str, Any]], keys: list[str], metrics: list[Metric], fmt: str) -> str:
+CSV_FIELDS = ("mean", "std", "n", "ci95")
+DELTA_FIELDS = ("delta", "delta_ci95", "delta_test", "within_noise")
+
+
+def _csv_fields(summary: Summary, with_delta: bool) -> list[Any]:
+    found, d = summary.interval, summary.delta
+    out: list[Any] = [found.estimate if found else None, summary.std, len(summary.values),
+                      found.half_width if found else None]
+    if with_delta:
+        noise = stats.within_noise(d)
+        out += [d.estimate if d else None, d.half_width if d else None, d.kind.lower() if d else None,
+                stats.WITHIN_NOISE if noise else None]
+    return ["" if v is None else v for v in out]
+
+
+def mean_text(summary: Summary, spec: str) -> str:
+    found = summary.interval
+    if found is None:
+        return "—"
+    if found.half_width is None:
+        return f"{found.estimate:{spec}} (1 run)"
+    return f"{found.estimate:{spec}} ± {found.half_width:{spec}} ({found.n})"
+
+
+def delta_text(summary: Summary, spec: str) -> str:
+    d = summary.delta
+    if d is None:
+        return "—"
+    text = f"{d.estimate:+{spec}}"
+    if d.has_interval:
+        text += f" ± {d.half_width:{spec}}"
+        text += f" {stats.WITHIN_NOISE}" if stats.within_noise(d) else ""
+        text += " (Welch)" if d.kind == "Welch" else ""
+    return text
+
+
+def render(lines: list[dict[str, Any]], keys: list[str], metrics: list[Metric], fmt: str,
+           with_delta: bool = False) -> str:
+    fields = CSV_FIELDS + (DELTA_FIELDS if with_delta else ())
     if fmt == "csv":
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow([*keys, "runs", "not completed",
-                         *[f"{m.key}_{s}" for m in metrics for s in ("mean", "std", "n")]])
+        writer.writerow([*keys, "runs", "not completed", *[f"{m.key}_{s}" for m in metrics for s in fields]])
         for line in lines:
             writer.writerow([*[line[k] for k in keys], line["runs"], line["not completed"],
-                             *[("" if v is None else v) for m in metrics for v in line[m.key]]])
+                             *[v for m in metrics for v in _csv_fields(line[m.key], with_delta)]])
         return out.getvalue()
-    header = [*keys, "runs", *[m.label for m in metrics], "not completed"]
+    header = [*keys, "runs"]
+    for m in metrics:
+        header += [m.label] + ([f"Δ {m.label}"] if with_delta else [])
+    header.append("not completed")
     rows = []
     for line in lines:
         cells = [str(line[k]) for k in keys] + [str(line["runs"])]
         for m in metrics:
-            mean, std, n = line[m.key]
-            cells.append("—" if mean is None else
-                         f"{mean:{m.fmt}}" + (f" ± {std:{m.fmt}}" if std is not None else "") + f" ({n})")
+            cells.append(mean_text(line[m.key], m.fmt))
+            if with_delta:
+                cells.append(delta_text(line[m.key], m.fmt))
         cells.append(line["not completed"] or "")
         rows.append(cells)
     text = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(text + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def legend(baseline: tuple[str, str] | None) -> str:
+    """What the Markdown's numbers are."""
+    text = (f"mean ± the half-width of its {stats.CONFIDENCE * 100:.0f} % Student t interval over the "
+            "completed seeds (n)")
+    if baseline is None:
+        return text + "; --baseline KEY=VALUE adds deltas."
+    return (text + f"; Δ: against {baseline[0]}={baseline[1]}, paired by seed where both groups completed "
+            f"the same seeds, else Welch's (marked); {stats.WITHIN_NOISE}: the interval contains 0 (within "
+            "noise).")
 
 
 def parse_filters(items: list[str]) -> list[tuple[str, str]]:
@@ -152,10 +244,14 @@ def main(argv: list[str] | None = None) -> None:
                         "(default: backbone.name,norm.name; with --table its row labels)")
     parser.add_argument("--metrics", default=None, help="comma-separated (default: val/top1,val/top5; "
                         "with --table its columns)")
+    parser.add_argument("--baseline", default=None, metavar="KEY=VALUE", help="add each metric's delta "
+                        "against the group whose KEY (a group-by path) is VALUE, e.g. norm.name=ln: paired "
+                        "by seed where the seeds agree, else Welch's, with its 95 %% interval")
     parser.add_argument("--format", choices=("md", "csv"), default="md")
     args = parser.parse_args(argv)
     try:
         filters = parse_filters(args.filters)
+        baseline = parse_filters([args.baseline])[0] if args.baseline else None
         group_by = args.group_by.split(",") if args.group_by else None
         if args.table:
             from .tables.cli import parse_seeds
@@ -170,7 +266,13 @@ def main(argv: list[str] | None = None) -> None:
         entries = [e for e in entries if matches(e.config, filters, args.tag)]
         if not entries:
             raise UserError("no run records match: check --root, the filters and the tags")
-        print(render(summarise(entries, metrics), keys, metrics, args.format), end="")
+        if baseline is not None and baseline[0] not in keys:
+            raise UserError(f"--baseline {args.baseline}: {baseline[0]} is not one of the groups' keys "
+                            f"({', '.join(keys)}); add it to --group-by")
+        lines = summarise(entries, metrics, baseline)
+        print(render(lines, keys, metrics, args.format, with_delta=baseline is not None), end="")
+        if args.format == "md":
+            print("\n" + legend(baseline))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,4 +1,5 @@
-"""``normexp compare`` over fabricated run records: filters, tags, grouping, mean +- std (n), formats."""
+"""``normexp compare`` over fabricated run records: filters, tags, grouping, mean and t interval (n), deltas
+against a baseline group, formats."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def test_groups_filters_and_counts(root, capsys):
     main(["--root", str(root), "backbone.name=vit_*"])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert lines[0] == "| backbone.name | norm.name | runs | val/top1 | val/top5 | not completed |"
-    assert lines[1] == "| vit_small | ln | 2 | 81 ± 1.414 (2) | — |  |"
-    assert lines[2] == "| vit_small | dyt | 2 | 81 (1) | — | 1 diverged |"
+    assert lines[1] == "| vit_small | ln | 2 | 81 ± 12.71 (2) | — |  |"  # t(0.975, 1 df) x 1.414 / sqrt 2
+    assert lines[2] == "| vit_small | dyt | 2 | 81 (1 run) | — | 1 diverged |"
     assert len(lines) == 3  # swin filtered out
 
 
@@ -47,6 +48,7 @@ def test_tags_metrics_and_csv(root, capsys):
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert [r["norm.name"] for r in rows] == ["dyt"]
     assert float(rows[0]["val/top1_mean"]) == 82.0 and rows[0]["val/top1_n"] == "2"
+    assert float(rows[0]["val/top1_ci95"]) == pytest.approx(12.706205 * 1.0, abs=1e-5)  # seeds 0, 0: 81, 83
     assert rows[0]["not completed"] == "1 diverged"
 
 
@@ -55,3 +57,27 @@ def test_no_match_is_one_line(root, capsys):
         main(["--root", str(root), "norm.name=power"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().startswith("error: no run records match")
+
+
+def test_baseline_deltas_are_paired_by_seed(root, capsys):
+    """Two more DyT seeds on ViT-S: DyT {0: 81, 1: 84} against LN {0: 80, 1: 82} -> differences 1 and 2,
+    paired: +1.5 ± 6.35 (t with 1 df), within noise; Swin's LN failed: no delta."""
+    path = root / "classification" / "run3" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary.update(status="completed", metrics={"final": {"val/top1": 84.0}})
+    path.write_text(json.dumps(summary))
+    main(["--root", str(root), "--baseline", "norm.name=ln", "--metrics", "val/top1", "--format", "csv"])
+    out = io.StringIO(capsys.readouterr().out)
+    rows = {(r["backbone.name"], r["norm.name"]): r for r in csv.DictReader(out)}
+    dyt = rows["vit_small", "dyt"]
+    assert float(dyt["val/top1_delta"]) == 1.5 and dyt["val/top1_delta_test"] == "paired"
+    assert float(dyt["val/top1_delta_ci95"]) == pytest.approx(12.706205 * 0.5, abs=1e-5)
+    assert dyt["val/top1_within_noise"] == "≈"
+    assert rows["vit_small", "ln"]["val/top1_delta"] == ""  # the baseline itself
+    assert rows["swin_tiny", "dyt"]["val/top1_delta"] == ""  # its LN failed
+    main(["--root", str(root), "--baseline", "norm.name=ln", "--metrics", "val/top1"])
+    out = capsys.readouterr().out
+    assert "| vit_small | dyt | 2 | 82.5 ± 19.06 (2) | +1.5 ± 6.353 ≈ |  |" in out and "paired by seed" in out
+    with pytest.raises(SystemExit):
+        main(["--root", str(root), "--baseline", "task.name=x"])
+    assert "not one of the groups' keys" in capsys.readouterr().err

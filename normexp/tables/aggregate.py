@@ -1,13 +1,19 @@
-"""Run records -> table cells: mean +- std over seeds, markers for runs that are not results, deltas.
+"""Run records -> table cells: mean and 95 % interval over seeds, markers for runs that are not results,
+deltas with their intervals, and aggregates across backbones (the statistics: :mod:`normexp.tables.stats`).
 
 Rows whose runs are the very same (two paper rows a scale maps onto one member and recipe) point to the
 first of them (``Row.same_as``): the renderers say so instead of presenting them as two results.
 
-A cell of row r and metric m holds the values of m over r's runs that completed (one per seed), their mean,
-sample std and n, and one marker per run that did not: ``diverged@<step>`` (a result: the loss became
-non-finite at that step), ``failed: <first line of the error>``, ``running``, or ``missing`` (no record).
-Deltas are taken against the spec's baseline row (same labels except what the baseline rule sets): ours
-from the two means, the paper's from its two published values.
+A cell of row r and metric m holds the values of m over r's runs that completed (one per seed, with the
+seed), their mean, Student t interval, std and n, and one marker per run that did not: ``diverged@<step>``
+(a result: the loss became non-finite at that step), ``failed: <first line of the error>``, ``running``, or
+``missing`` (no record). Deltas are taken against the spec's baseline row (same labels except what the
+baseline rule sets): ours paired by seed where both rows completed the same seeds (else Welch's), with its
+interval; the paper's from its two published values.
+
+A table whose rows span several backbones (each with its baseline row) also gets, per delta metric, each
+method's mean rank and probability of improvement over the baseline across the backbones
+(:func:`across_strata`).
 
 In a ``best_of`` table a row's runs sweep one setting (its lr): the row's cells are those of the value whose
 mean of the chosen metric is best among the values with a completed run (``Row.choice``); every value's
@@ -29,6 +35,7 @@ from ..metrics.robustness import (
     corruption_errors,
     relative_corruption_errors,
 )
+from . import stats
 from .plan import PlannedRun, TablePlan
 from .spec import Metric, Point, TableSpec, get_path
 
@@ -88,6 +95,23 @@ class Cell:
     delta: float | None = None
     paper_delta: float | None = None
     derived: bool = False  # a value was computed across runs (``Metric.derive``), not read from a record
+    seeds: list[int] = field(default_factory=list)  # the seed of each value
+    delta_interval: stats.Interval | None = None  # ``delta`` and its interval (paired or Welch)
+
+    @property
+    def by_seed(self) -> dict[Any, float]:
+        """The values keyed by seed (by seed and position where a seed repeats)."""
+        return stats.by_seed(self.seeds, self.values)
+
+    @property
+    def interval(self) -> stats.Interval | None:
+        """The mean and its 95 % Student t interval (none for one run)."""
+        return stats.t_interval(self.values)
+
+    @property
+    def within_noise(self) -> bool | None:
+        """Whether the delta's interval contains 0; None without one."""
+        return stats.within_noise(self.delta_interval)
 
     @property
     def n(self) -> int:
@@ -145,6 +169,12 @@ class TableResult:
     rows: list[Row]
 
     @property
+    def seed_std(self) -> dict[str, tuple[float, int] | None]:
+        """Per metric: the seed-to-seed std pooled over the rows (each set of runs once) and its df."""
+        rows = [r for r in self.rows if r.same_as is None]
+        return {m.key: stats.pooled_std([r.cells[m.key].values for r in rows]) for m in self.spec.metrics}
+
+    @property
     def derived_used(self) -> list[str]:
         return sorted({m.derive for m in self.spec.metrics for r in self.rows
                        if m.derive and r.cells[m.key].derived})
@@ -199,8 +229,9 @@ def aggregate(plan: TablePlan) -> TableResult:
             if not metric.delta or base is None or base is row:
                 continue
             base_cell = base.cells[metric.key]
-            if cell.mean is not None and base_cell.mean is not None:
-                cell.delta = cell.mean - base_cell.mean
+            if cell.values and base_cell.values:
+                cell.delta_interval = stats.delta(cell.by_seed, base_cell.by_seed)
+                cell.delta = cell.delta_interval.estimate if cell.delta_interval else None
             own, ref = _number(cell.paper), _number(base_cell.paper)
             if own is not None and ref is not None:
                 cell.paper_delta = own - ref
@@ -243,4 +274,82 @@ def _cell(spec: TableSpec, metric: Metric, row: Row, base: Row | None) -> Cell:
             cell.markers.append("n/a")
         else:
             cell.values.append(value)
+            cell.seeds.append(point.seed)
     return cell
+
+
+# ---------------------------------------------------------------- across backbones
+STRATUM_KEY = "backbone.name"
+
+
+@dataclass
+class Method:
+    """One method (the labels a baseline rule sets, e.g. ``norm.name``) across the strata (backbones)."""
+
+    labels: dict[str, Any]
+    strata: int                              # how many strata it is ranked in
+    rank: stats.Interval | None = None       # mean rank (1: best) and its stratified bootstrap interval
+    improvement: stats.Interval | None = None  # probability of improvement over the stratum's baseline
+    baseline: bool = False                   # it is the baseline of the strata it is in
+    compared: int = 0                        # strata where it is compared with a baseline
+
+
+@dataclass
+class Across:
+    """A delta metric's aggregate over the strata of a table: the methods' mean ranks and probabilities of
+    improvement (Agarwal et al. 2021), strata being the rows' labels other than the method's."""
+
+    metric: Metric
+    stratum_keys: tuple[str, ...]
+    strata: int
+    methods: list[Method]
+
+
+def across_strata(result: TableResult) -> list[Across]:
+    """Per delta metric, each method's mean rank and probability of improvement over its stratum's baseline
+    row, for a table whose strata span two or more backbones (``[]`` otherwise). A method is what the
+    matching baseline rule sets (``norm.name``: LN, DTN, DyT), a stratum the rest of the row's labels (its
+    backbone); rows that repeat another row's runs count once."""
+    spec = result.spec
+    strata: dict[tuple[tuple[str, str], ...], dict[tuple[tuple[str, str], ...], Row]] = {}
+    method_labels: dict[tuple[tuple[str, str], ...], dict[str, Any]] = {}
+    baselines: set[tuple[tuple[str, str], ...]] = set()
+    base_of: dict[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] = {}
+    for row in result.rows:
+        base_labels = spec.baseline_of(row.labels)
+        if row.same_as is not None or base_labels is None:
+            continue
+        keys = [k for k in row.labels if k in spec.baseline_keys(row.labels)]
+        method = tuple((k, str(row.labels[k])) for k in keys)
+        stratum = tuple((k, str(v)) for k, v in row.labels.items() if k not in keys)
+        strata.setdefault(stratum, {})[method] = row
+        method_labels.setdefault(method, {k: row.labels[k] for k in keys})
+        base = tuple((k, str(base_labels[k])) for k in keys)
+        base_of.setdefault(stratum, base)
+        if base == method:
+            baselines.add(method)
+    backbones = {dict(s).get(STRATUM_KEY) for s, methods in strata.items() if len(methods) > 1}
+    if len(backbones - {None}) < 2:
+        return []
+    stratum_keys = tuple(k for k in spec.label_keys if any(k in dict(s) for s in strata))
+    out = []
+    for metric in (m for m in spec.metrics if m.delta):
+        ranked = [{m: r.cells[metric.key].values for m, r in methods.items() if r.cells[metric.key].values}
+                  for methods in strata.values()]
+        ranks = stats.mean_ranks([s for s in ranked if len(s) > 1], metric.higher_is_better)
+        methods_out = []
+        for method, labels in method_labels.items():
+            pairs = []
+            for stratum, methods in strata.items():
+                base = methods.get(base_of.get(stratum, ()))
+                if method in methods and base is not None and base is not methods[method]:
+                    own, ref = methods[method].cells[metric.key], base.cells[metric.key]
+                    if own.values and ref.values:
+                        pairs.append((own.by_seed, ref.by_seed))
+            rank = ranks.get(method)
+            methods_out.append(Method(
+                labels, sum(method in s for s in ranked if len(s) > 1), rank,
+                stats.probability_of_improvement(pairs, metric.higher_is_better) if pairs else None,
+                method in baselines, len(pairs)))
+        out.append(Across(metric, stratum_keys, sum(len(s) > 1 for s in ranked), methods_out))
+    return out

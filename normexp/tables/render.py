@@ -1,8 +1,12 @@
 """Render an aggregated table: Markdown, CSV (tidy: one line per row x metric), LaTeX (booktabs) and plots.
 
 Every format says what produced it: the paper source, the scale and what ran at it, the seeds, the date,
-the git commit(s) and the hardware of the runs. A cell reads ``mean +- std (n)`` over the completed seeds,
-then a marker per run that is not a result (``diverged@<step>``, ``failed: ...``, ``missing``).
+the git commit(s) and the hardware of the runs. A cell reads ``mean ± h (n)`` over the completed seeds, h
+the half-width of the mean's 95 % Student t interval (``mean (1 run)``: no interval), then a marker per run
+that is not a result (``diverged@<step>``, ``failed: ...``, ``missing``). A delta reads ``+d ± h``, paired by
+seed or Welch's (marked), with ``≈`` where its interval contains 0 (within noise) -- in every format and plot.
+Tables across several backbones add each method's mean rank and probability of improvement over the baseline
+with stratified bootstrap intervals (``<id>_across.csv``, and a second table in the Markdown and LaTeX).
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from ..plotting import member_styles
-from .aggregate import DERIVED_NOTES, Cell, Row, TableResult, metric_value
+from .aggregate import DERIVED_NOTES, Across, Cell, Row, TableResult, across_strata, metric_value
 from .spec import Metric, get_path
+from .stats import CONFIDENCE, N_RESAMPLES, WITHIN_NOISE, Interval
+
+LEVEL = f"{CONFIDENCE * 100:.0f} %"
 
 RESULTS_DIR = Path("results")  # of the checkout the tables are made in (make runs from its root)
 INDEX_BEGIN, INDEX_END = "<!-- tables:begin -->", "<!-- tables:end -->"
@@ -35,9 +42,11 @@ def fmt(value: float | None, spec: str, signed: bool = False) -> str:
 
 def ours(cell: Cell, metric: Metric) -> str:
     parts = []
-    if cell.values:
-        std = f" ± {fmt(cell.std, metric.fmt)}" if cell.std is not None else ""
-        parts.append(f"{fmt(cell.mean, metric.fmt)}{std} ({cell.n})")
+    interval = cell.interval
+    if interval is not None:
+        half = interval.half_width
+        parts.append(f"{fmt(interval.estimate, metric.fmt)} (1 run)" if half is None
+                     else f"{fmt(interval.estimate, metric.fmt)} ± {fmt(half, metric.fmt)} ({cell.n})")
     shown = [m for m in cell.markers if m != "n/a"]
     parts += shown
     if not parts:
@@ -53,6 +62,20 @@ def paper(cell: Cell, metric: Metric) -> str:
 
 def delta(value: float | None, metric: Metric) -> str:
     return fmt(value, metric.fmt, signed=True) if value is not None else "—"
+
+
+def our_delta(cell: Cell, metric: Metric) -> str:
+    """``+d ± h`` (h: the half-width of the delta's 95 % interval), ``≈`` when it contains 0, ``(Welch)``
+    when the two rows' seeds differ; ``+d`` alone (no interval) when a side has one run."""
+    found = cell.delta_interval
+    if found is None:
+        return "—"
+    text = delta(found.estimate, metric)
+    if found.half_width is not None:
+        text += f" ± {fmt(found.half_width, metric.fmt)}"
+    if cell.within_noise:
+        text += f" {WITHIN_NOISE}"
+    return text + (" (Welch)" if found.kind == "Welch" and found.has_interval else "")
 
 
 def sweep_columns(result: TableResult) -> tuple[list[str], Callable[[Row], list[str]]]:
@@ -110,8 +133,15 @@ def caption(result: TableResult) -> list[str]:
     commits, hardware = ", ".join(prov["commits"]) or "—", "; ".join(prov["hardware"]) or "—"
     lines.append(f"Ours: scale `{scale.name}` ({scale.description}); seeds {seeds}; runs {dates}; "
                  f"commit {commits}; {hardware}.")
-    lines.append("Cells: mean ± std (n completed seeds); `diverged@<step>`: the training loss became "
-                 "non-finite at that step (a result); `failed`, `missing`: no result.")
+    if scale.caption:
+        lines.append(scale.caption)
+    lines.append(f"Cells: mean ± the half-width of its {LEVEL} confidence interval over the completed seeds "
+                 "(Student t, n − 1 df), then n; a cell of one run reads `1 run` and has no interval. "
+                 "`diverged@<step>`: the training loss became non-finite at that step (a result); `failed`, "
+                 "`missing`: no result.")
+    if any(m.delta for m in spec.metrics):
+        lines.append(DELTA_CAPTION)
+    lines.append(seed_noise_line(result))
     if any(run.damaged for run in result.plan.runs):
         lines.append("`damaged`: a record that does not read back (`normexp table run` names what is wrong).")
     lines += shared_runs_notes(result)
@@ -131,6 +161,27 @@ def caption(result: TableResult) -> list[str]:
     if spec.notes:
         lines.append(spec.notes.strip())
     return lines
+
+
+DELTA_CAPTION = (
+    f"Δ: ours minus the baseline row's, ± the half-width of its {LEVEL} interval: paired by seed (the "
+    "mean and t interval of the per-seed differences) where both rows completed the same seeds -- a seed "
+    "fixes the order and augmentation of the training data and the random state the weights and dropout are "
+    "drawn from, and every run validates on the same images -- else Welch's t interval "
+    f"(Welch–Satterthwaite df), marked (Welch). {WITHIN_NOISE}: within noise, the interval contains 0. A Δ "
+    "without ± has one run on a side.")
+
+
+def seed_noise_line(result: TableResult) -> str:
+    """The seed-to-seed std at this scale, pooled over the rows, of the compared metrics (all if none is)."""
+    metrics = [m for m in result.spec.metrics if m.delta] or list(result.spec.metrics)
+    pooled = result.seed_std
+    found = [f"{m.label} {fmt(pooled[m.key][0], m.fmt)} ({pooled[m.key][1]} df)"
+             for m in metrics if pooled[m.key] is not None]
+    if not found:
+        return "Seed noise at this scale: not measured (no row has two completed runs)."
+    return ("Seed noise at this scale (the std over seeds, pooled over the rows with two or more runs): "
+            + ", ".join(found) + "; a difference of about that size is within noise.")
 
 
 WEIGHTS = {"ema": "the EMA model's", "raw": "the trained model's"}
@@ -230,7 +281,7 @@ def grid(result: TableResult) -> tuple[list[str], list[list[str]]]:
             cell = row.cells[m.key]
             line += [ours(cell, m), paper(cell, m)]
             if m.delta:
-                line += [delta(cell.delta, m), delta(cell.paper_delta, m)]
+                line += [our_delta(cell, m), delta(cell.paper_delta, m)]
         body.append(line)
     return header, body
 
@@ -249,7 +300,7 @@ def _pivot_grid(result: TableResult, shown: bool) -> tuple[list[str], list[list[
         names = [spec.display(k, first.labels[k]) for k in spec.rows]
         what = [("ours", lambda c: ours(c, metric)), ("paper", lambda c: paper(c, metric))]
         if metric.delta:
-            what += [("Δ ours", lambda c: delta(c.delta, metric)),
+            what += [("Δ ours", lambda c: our_delta(c, metric)),
                      ("Δ paper", lambda c: delta(c.paper_delta, metric))]
         if shown:
             what.append(("run as", None))
@@ -263,14 +314,87 @@ def _pivot_grid(result: TableResult, shown: bool) -> tuple[list[str], list[list[
     return header, body
 
 
+# ---------------------------------------------------------------- across backbones
+def bracket(found: Interval | None, spec: str, noise_at: float | None = None) -> str:
+    """``estimate [low, high] (n)`` (no interval: ``estimate (n)``), ``≈`` where the interval holds
+    ``noise_at``."""
+    if found is None:
+        return "—"
+    text = format(found.estimate, spec)
+    if found.has_interval:
+        text += f" [{format(found.low, spec)}, {format(found.high, spec)}]"
+        if noise_at is not None and found.low <= noise_at <= found.high:  # type: ignore[operator]
+            text += f" {WITHIN_NOISE}"
+    return text
+
+
+def across_caption(result: TableResult, across: list[Across]) -> str:
+    spec, first = result.spec, across[0]
+    strata = " / ".join(spec.header(k) for k in first.stratum_keys)
+    return (f"Across {strata}: per method, its mean rank among the rows of each {strata} (1: best, ties "
+            "share their ranks) and its probability of improvement P(X > baseline), the chance that a run of "
+            f"X beats a run of the baseline row of the same {strata} and seed (every pair of runs where the "
+            f"seeds differ), averaged over the {strata} values (Agarwal et al. 2021, arXiv:2108.13264). "
+            f"[low, high]: the {LEVEL} stratified bootstrap interval (runs resampled within their {strata}; "
+            f"percentile, {N_RESAMPLES} resamples), none where a cell has one run; {WITHIN_NOISE}: P's "
+            "interval holds 1/2. n: the strata ranked / compared.")
+
+
+def across_grid(result: TableResult, across: list[Across]) -> tuple[list[str], list[list[str]]]:
+    spec = result.spec
+    keys = list(dict.fromkeys(k for a in across for m in a.methods for k in m.labels))
+    header = [spec.header(k) for k in keys]
+    for a in across:
+        header += [f"mean rank ({a.metric.label})", f"P(X > baseline) ({a.metric.label})"]
+    body = []
+    for i, method in enumerate(across[0].methods):
+        line = [spec.display(k, method.labels[k]) if k in method.labels else "" for k in keys]
+        for a in across:
+            m = a.methods[i]
+            line.append(f"{bracket(m.rank, '.2f')} ({m.strata})" if m.rank else "—")
+            line.append("baseline" if m.baseline and not m.compared else
+                        f"{bracket(m.improvement, '.2f', 0.5)} ({m.compared})" if m.improvement else "—")
+        body.append(line)
+    return header, body
+
+
+def across_csv(result: TableResult, across: list[Across]) -> str:
+    """One line per delta metric x method: mean rank and probability of improvement, their intervals."""
+    spec = result.spec
+    keys = list(dict.fromkeys(k for a in across for m in a.methods for k in m.labels))
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["table", "scale", "metric", *keys, "baseline", "strata_ranked", "mean_rank",
+                     "mean_rank_low", "mean_rank_high", "strata_compared", "p_improvement",
+                     "p_improvement_low", "p_improvement_high", "within_noise"])
+    for a in across:
+        for m in a.methods:
+            rank, poi = m.rank, m.improvement
+            noise = poi is not None and poi.has_interval and poi.low <= 0.5 <= poi.high  # type: ignore[operator]
+            writer.writerow([spec.id, result.plan.scale.name, a.metric.key,
+                             *[m.labels.get(k, "") for k in keys], m.baseline, m.strata,
+                             *[_raw(getattr(rank, f, None)) for f in ("estimate", "low", "high")], m.compared,
+                             *[_raw(getattr(poi, f, None)) for f in ("estimate", "low", "high")],
+                             WITHIN_NOISE if noise else ""])
+    return out.getvalue()
+
+
 # ---------------------------------------------------------------- formats
 def to_markdown(result: TableResult) -> str:
     header, body = grid(result)
     lines = [f"# {result.spec.title}", ""] + [part for line in caption(result) for part in (line, "")]
-    lines.append("| " + " | ".join(header) + " |")
-    lines.append("|" + "---|" * len(header))
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in body]
+    lines += _md_table(header, body)
+    across = across_strata(result)
+    if across:
+        lines += ["", "## Across " + " / ".join(result.spec.header(k) for k in across[0].stratum_keys), "",
+                  across_caption(result, across), ""]
+        lines += _md_table(*across_grid(result, across))
     return "\n".join(lines) + "\n"
+
+
+def _md_table(header: list[str], body: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in body)]
 
 
 def to_csv(result: TableResult) -> str:
@@ -281,16 +405,19 @@ def to_csv(result: TableResult) -> str:
     keys = list(spec.label_keys)
     swept = [spec.best_of.key] if spec.best_of else []  # the value a best_of row's cells are
     writer.writerow(["table", "scale", *keys, *swept, "run_as", "same_runs_as", "metric", "mean", "std", "n",
-                     "markers", "paper", "delta", "paper_delta"])
+                     "ci95", "markers", "paper", "delta", "delta_ci95", "delta_test", "within_noise",
+                     "paper_delta"])
     for row in result.rows:
         same = row_label(result, row.same_as) if row.same_as is not None else ""
         for m in spec.metrics:
             cell = row.cells[m.key]
             writer.writerow([spec.id, result.plan.scale.name, *[row.labels[k] for k in keys],
                              *([row.choice] if swept else []), " ".join(row.run_as), same, m.key,
-                             _raw(cell.mean), _raw(cell.std), cell.n,
+                             _raw(cell.mean), _raw(cell.std), cell.n, _raw(_half(cell.interval)),
                              "; ".join(cell.markers), "" if cell.paper is None else cell.paper,
-                             _raw(cell.delta), _raw(cell.paper_delta)])
+                             _raw(cell.delta), _raw(_half(cell.delta_interval)),
+                             cell.delta_interval.kind.lower() if cell.delta_interval else "",
+                             WITHIN_NOISE if cell.within_noise else "", _raw(cell.paper_delta)])
     return out.getvalue()
 
 
@@ -298,9 +425,14 @@ def _raw(value: float | None) -> str:
     return "" if value is None else repr(round(value, 6))
 
 
+def _half(interval: Interval | None) -> float | None:
+    return None if interval is None else interval.half_width
+
+
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
         "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}", "±": r"$\pm$", "Δ": r"$\Delta$", "—": "---",
-        "–": "--", "→": r"$\to$", "≥": r"$\geq$", "≤": r"$\leq$"}
+        "–": "--", "→": r"$\to$", "≥": r"$\geq$", "≤": r"$\leq$", "≈": r"$\approx$", "−": "$-$",
+        "<": r"\textless{}", ">": r"\textgreater{}"}
 
 
 def tex_escape(text: str) -> str:
@@ -311,16 +443,25 @@ def tex_escape(text: str) -> str:
 
 def to_latex(result: TableResult) -> str:
     header, body = grid(result)
-    cols = "l" * len(result.spec.rows) + ("l" if result.spec.columns else "") + \
-        "r" * (len(header) - len(result.spec.rows) - (1 if result.spec.columns else 0))
-    lines = ["% generated by normexp.tables -- needs \\usepackage{booktabs}", r"\begin{table}[t]",
-             r"\centering", r"\small", f"\\begin{{tabular}}{{{cols}}}", r"\toprule",
+    labels = len(result.spec.rows) + (1 if result.spec.columns else 0)
+    lines = ["% generated by normexp.tables -- needs \\usepackage{booktabs}"]
+    lines += _tex_table(header, body, labels, " ".join(caption(result)), f"tab:normexp-{result.spec.id}")
+    across = across_strata(result)
+    if across:
+        header, body = across_grid(result, across)
+        labels = len(header) - 2 * len(across)
+        lines += _tex_table(header, body, labels, across_caption(result, across),
+                            f"tab:normexp-{result.spec.id}-across")
+    return "\n".join(lines) + "\n"
+
+
+def _tex_table(header: list[str], body: list[list[str]], labels: int, text: str, label: str) -> list[str]:
+    cols = "l" * labels + "r" * (len(header) - labels)
+    lines = [r"\begin{table}[t]", r"\centering", r"\small", f"\\begin{{tabular}}{{{cols}}}", r"\toprule",
              " & ".join(tex_escape(h) for h in header) + r" \\", r"\midrule"]
     lines += [" & ".join(tex_escape(c) for c in line) + r" \\" for line in body]
-    lines += [r"\bottomrule", r"\end{tabular}",
-              f"\\caption{{{tex_escape(' '.join(caption(result)))}}}",
-              f"\\label{{tab:normexp-{result.spec.id}}}", r"\end{table}"]
-    return "\n".join(lines) + "\n"
+    return lines + [r"\bottomrule", r"\end{tabular}", f"\\caption{{{tex_escape(text)}}}",
+                    f"\\label{{{label}}}", r"\end{table}"]
 
 
 # ---------------------------------------------------------------- plots
@@ -329,9 +470,10 @@ def headline(result: TableResult) -> Metric:
 
 
 def plot_bars(result: TableResult, path: Path) -> None:
-    """The headline metric per normalizer (bars, std as error bars), grouped by the first row key: each
-    normalizer in its colour (``normexp.plotting``), its variants hatched, every bar in the legend; rows that
-    repeat another row's runs are drawn once, under both names."""
+    """The headline metric per normalizer (bars: the mean; error bars: its 95 % t interval; n under each
+    bar), grouped by the first row key: each normalizer in its colour (``normexp.plotting``), its variants
+    hatched, every bar in the legend; a bar whose delta is within noise is pale with a dashed edge and
+    ``≈`` above it; rows that repeat another row's runs are drawn once, under both names."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -361,8 +503,18 @@ def plot_bars(result: TableResult, path: Path) -> None:
             label = None if styled(row) in labelled else _member_label(spec, group_key, member(row))
             label = None if label in ("—", "None") else label  # no variant: the tick names the bar
             labelled.add(styled(row))
-            ax.bar(x, cell.mean or 0, width, yerr=cell.std or 0, color=style["color"], hatch=style["hatch"],
-                   edgecolor="white", linewidth=0.5, capsize=3, label=label)
+            found = cell.interval
+            half = found.half_width if found is not None else None
+            noise = bool(cell.within_noise)
+            ax.bar(x, cell.mean or 0, width, yerr=half or 0, color=style["color"], hatch=style["hatch"],
+                   edgecolor="black" if noise else "white", linewidth=1.0 if noise else 0.5,
+                   linestyle="--" if noise else "-", alpha=0.45 if noise else 1.0, capsize=3, label=label)
+            if cell.n:
+                ax.annotate(f"n={cell.n}", (x, 0), xytext=(0, 2), textcoords="offset points", ha="center",
+                            va="bottom", fontsize=6, color="white" if not noise else "black")
+            if noise:
+                ax.annotate(WITHIN_NOISE, (x, (cell.mean or 0) + (half or 0)), xytext=(0, 2),
+                            textcoords="offset points", ha="center", va="bottom", fontsize=9)
             if isinstance(cell.paper, (int, float)):
                 ax.plot([x - width / 2, x + width / 2], [cell.paper] * 2, color="black", lw=2)
             markers = [m.split(":")[0] for m in cell.markers if m != "n/a"]  # "failed: <error>" -> "failed"
@@ -371,9 +523,10 @@ def plot_bars(result: TableResult, path: Path) -> None:
     named = {g: [g, *(copy for copy, origin in repeated.items() if origin == g)] for g in groups}
     ticks = [" =\n".join(spec.display(group_key, g) for g in named[group]) for group in groups]
     ax.set_xticks(range(len(groups)), ticks)
-    ax.set_ylabel(metric.label)
+    ax.set_ylabel(f"{metric.label} (error bars: {LEVEL} t interval)")
     title = (f"{spec.title} ({result.plan.scale.name}; black ticks: paper"
-             + ("; a = b: the same runs, ticks: a's paper values" if repeated else "") + ")")
+             + ("; a = b: the same runs, ticks: a's paper values" if repeated else "")
+             + f"; n: completed seeds; pale, dashed, {WITHIN_NOISE}: Δ within noise)")
     ax.set_title(textwrap.fill(title, int(12 * fig.get_figwidth())), fontsize=9)
     ax.legend(fontsize=8, ncol=min(4, max(len(labelled), 1)))
     ax.grid(axis="y", alpha=0.3)
@@ -450,6 +603,10 @@ def write_table(result: TableResult, out_dir: Path = RESULTS_DIR / "tables") -> 
     paths = [stem.with_suffix(".md"), stem.with_suffix(".csv"), stem.with_suffix(".tex")]
     for path, text in zip(paths, (to_markdown(result), to_csv(result), to_latex(result)), strict=True):
         path.write_text(text)
+    across = across_strata(result)
+    if across:
+        paths.append(out_dir / f"{result.spec.id}_across.csv")
+        paths[-1].write_text(across_csv(result, across))
     plot_bars(result, stem.with_suffix(".png"))
     plot_curves(result, out_dir / f"{result.spec.id}_curves.png")
     paths += [stem.with_suffix(".png"), out_dir / f"{result.spec.id}_curves.png"]

@@ -6,7 +6,8 @@ A table spec says which runs make up a paper table and how to show them:
   with Hydra's own override parser into one *point* per combination and seed;
 - ``rows`` (and, for single-metric tables, ``columns``): config paths whose values label a point
   (``backbone.name``, ``norm.squash``), read from the config the point composes to at paper scale;
-- ``metrics``: the columns, each read from a run's ``summary.json``;
+- ``metrics``: the columns, each read from a run's ``summary.json`` (``better: min`` where lower is better:
+  FID, mCE, a loss);
 - ``baseline``: rules naming, for each row, the row its deltas are taken against;
 - ``best_of`` (optional): a config path the blocks sweep within a row (``trainer.lr_factor=0.25,0.5,1``) and
   the metric it is chosen by -- each row shows its best completed value (a diverged one is reported, never
@@ -16,7 +17,8 @@ A table spec says which runs make up a paper table and how to show them:
 
 A scale maps each point onto what runs at that scale: ``replace`` swaps override values by pattern (the
 papers' ImageNet recipes for the CPU demo's, each family's size for its ``*_micro`` member), ``overrides``
-adds settings per task (shorter budgets). Neither knows anything of a particular table.
+adds settings per task (shorter budgets). Neither knows anything of a particular table. Its ``caption`` is
+the sentence every table made at it carries about what its numbers are evidence of.
 """
 
 from __future__ import annotations
@@ -120,6 +122,11 @@ class Metric:
     scale: float = 1.0
     delta: bool = False       # show our delta and the paper's delta against the baseline row
     derive: str | None = None  # computed across runs when no value path is present (see aggregate.DERIVED)
+    better: str = "max"       # max | min: which way is an improvement (ranks, probability of improvement)
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.better == "max"
 
 
 @dataclass(frozen=True)
@@ -172,6 +179,14 @@ class TableSpec:
                 return {**labels, **rule["set"]}
         return None
 
+    def baseline_keys(self, labels: dict[str, Any]) -> tuple[str, ...]:
+        """The keys the baseline rule of ``labels`` sets (what tells a row from its baseline row)."""
+        for rule in self.baseline:
+            when = rule.get("when", {})
+            if all(fnmatch.fnmatchcase(str(labels.get(k)), str(v)) for k, v in when.items()):
+                return tuple(rule["set"])
+        return ()
+
     def paper_value(self, labels: dict[str, Any], metric: str) -> Any:
         for entry in self.paper:
             if all(str(entry.get(k)) == str(labels[k]) for k in self.label_keys) and metric in entry:
@@ -182,7 +197,7 @@ class TableSpec:
 TABLE_KEYS = {"title", "source", "rows", "columns", "metrics", "blocks", "baseline", "labels", "headers",
               "paper", "paper_note", "notes", "link_keys", "best_of"}
 BEST_OF_KEYS = {"key", "metric", "mode"}
-METRIC_KEYS = {"key", "label", "value", "fmt", "scale", "delta", "derive"}
+METRIC_KEYS = {"key", "label", "value", "fmt", "scale", "delta", "derive", "better"}
 
 
 def _spec_path(name: str, kind: str, searchpath: Iterable[str]) -> Path:
@@ -206,10 +221,13 @@ def load_table(name: str, searchpath: Iterable[str] = ()) -> TableSpec:
     for m in data.get("metrics", []):
         _unknown_keys(m, METRIC_KEYS, f"{path} metric {m.get('key')}")
         value = m.get("value") or ()
+        if m.get("better", "max") not in ("max", "min"):
+            raise UserError(f"{path} metric {m.get('key')}: better is max or min")
         metrics.append(Metric(
             key=m["key"], label=m.get("label", m["key"]),
             value=(value,) if isinstance(value, str) else tuple(value), fmt=m.get("fmt", ".2f"),
-            scale=float(m.get("scale", 1.0)), delta=bool(m.get("delta", False)), derive=m.get("derive")))
+            scale=float(m.get("scale", 1.0)), delta=bool(m.get("delta", False)), derive=m.get("derive"),
+            better=m.get("better", "max")))
     if not metrics or not data.get("blocks") or not data.get("rows"):
         raise UserError(f"{path}: a table needs 'rows', 'metrics' and 'blocks'")
     if data.get("columns") and len(metrics) != 1:
@@ -246,6 +264,7 @@ class Scale:
     seeds: tuple[int, ...]
     replace: dict[str, dict[str, list[str]]]
     overrides: dict[str, list[str]]
+    caption: str = ""  # one sentence every table at this scale carries: what its numbers are evidence of
 
     def apply(self, overrides: list[str], task: str) -> list[str]:
         """The overrides of a point at this scale: replaced by the first matching pattern, then the task's."""
@@ -258,7 +277,7 @@ class Scale:
         return out + list(self.overrides.get(task, []))
 
 
-SCALE_KEYS = {"description", "seeds", "replace", "overrides"}
+SCALE_KEYS = {"description", "caption", "seeds", "replace", "overrides"}
 
 
 def load_scale(name: str, searchpath: Iterable[str] = ()) -> Scale:
@@ -271,7 +290,7 @@ def load_scale(name: str, searchpath: Iterable[str] = ()) -> Scale:
     seeds = data.get("seeds") or [0]
     return Scale(name=name, description=str(data.get("description", "")).strip(),
                  seeds=tuple(int(s) for s in seeds), replace=data.get("replace") or {},
-                 overrides=data.get("overrides") or {})
+                 overrides=data.get("overrides") or {}, caption=str(data.get("caption", "")).strip())
 
 
 # ---------------------------------------------------------------- points

@@ -97,12 +97,14 @@ def test_every_cell_of_the_long_table(tmp_path):
     assert header == ["Model", "Norm", "run as", "Params (M)", "paper", "Top-1", "paper", "Δ Top-1",
                       "Δ paper"]
     rows = md_rows(md)
-    assert rows["ViT-A LN"][2:] == ["vit_a_micro", "5.7 ± 0.0 (3)", "n/a", "81.00 ± 1.00 (3)", "80.00", "—",
+    assert rows["ViT-A LN"][2:] == ["vit_a_micro", "5.7 ± 0.0 (3)", "n/a", "81.00 ± 2.48 (3)", "80.00", "—",
                                     "—"]
     assert rows["ViT-A DyT"][2:] == ["vit_a_micro", "5.7 ± 0.0 (2); diverged@123", "n/a",
-                                     "84.00 ± 1.41 (2); diverged@123", "81.00", "+3.00", "+1.00"]
-    assert rows["ViT-B LN"][2:] == ["vit_b_micro", "22.1 (1); failed: RuntimeError: boom; missing", "n/a",
-                                    "70.50 (1); failed: RuntimeError: boom; missing", "70.00", "—", "—"]
+                                     "84.00 ± 12.71 (2); diverged@123", "81.00", "+3.00 ± 5.98 ≈ (Welch)",
+                                     "+1.00"]
+    assert rows["ViT-B LN"][2:] == ["vit_b_micro", "22.1 (1 run); failed: RuntimeError: boom; missing",
+                                    "n/a", "70.50 (1 run); failed: RuntimeError: boom; missing", "70.00", "—",
+                                    "—"]
     assert rows["ViT-B DyT"][5:] == ["diverged@5; diverged@7; diverged@9", "61.0 → failed", "—", "—"]
     assert "Somebody et al., Table 9" in md and "scale `smoke`" in md and "abc123def4" in md
     assert "cpu, 2 CPU cores" in md
@@ -120,7 +122,7 @@ def test_the_caption_says_whose_weights_each_row_reads(tmp_path):
     md = to_markdown(aggregate(fabricated_plan(tmp_path, spec, runs)))
     assert "Our metrics are the EMA model's for ViT-A LN, ViT-A DyT; the trained model's for ViT-B LN, " \
         "ViT-B DyT." in md
-    assert md_rows(md)["ViT-A DyT"][5] == "81.00 (1)"
+    assert md_rows(md)["ViT-A DyT"][5] == "81.00 (1 run)"
     same = {k: reported("raw", v["metrics"]["reported"]["top1"]) for k, v in runs.items()}
     (tmp_path / "raw").mkdir()
     (tmp_path / "old").mkdir()
@@ -158,17 +160,17 @@ def test_a_best_of_table_shows_each_rows_best_completed_lr_and_every_lr_tried(tm
     header = next(line for line in md.splitlines() if line.startswith("| Model"))
     assert header.startswith("| Model | Norm | run as | lr x | lr x swept: Top-1 | Params (M) |")
     rows = md_rows(md)
-    assert rows["ViT-A LN"][3:5] == ["1.0", "0.5: 71.00 ± 1.41 (2); 1.0: 74.00 ± 1.41 (2)"]
-    assert rows["ViT-A LN"][7] == "74.00 ± 1.41 (2)"  # the better lr's two seeds, not all four runs
-    assert rows["ViT-A DyT"][3:5] == ["0.5", "0.5: 76.00 (1); 1.0: diverged@40"]
-    assert rows["ViT-A DyT"][7] == "76.00 (1)" and rows["ViT-A DyT"][9] == "+2.00"  # against LN's best
+    assert rows["ViT-A LN"][3:5] == ["1.0", "0.5: 71.00 ± 12.71 (2); 1.0: 74.00 ± 12.71 (2)"]
+    assert rows["ViT-A LN"][7] == "74.00 ± 12.71 (2)"  # the better lr's two seeds, not all four runs
+    assert rows["ViT-A DyT"][3:5] == ["0.5", "0.5: 76.00 (1 run); 1.0: diverged@40"]
+    assert rows["ViT-A DyT"][7] == "76.00 (1 run)" and rows["ViT-A DyT"][9] == "+2.00"  # against LN's best
     assert rows["ViT-B LN"][3:5] == ["—", "1.0: diverged@40"] and rows["ViT-B LN"][7] == "diverged@40"
     # with two seeds, a value one of whose seeds diverged is not chosen over one whose seeds all completed
     runs.update({("vit_a", "dyt", 1, 0.5): diverged, ("vit_a", "dyt", 0, 2.0): top1(70.0),
                  ("vit_a", "dyt", 1, 2.0): top1(71.0)})
     (tmp_path / "two").mkdir()
     two = md_rows(to_markdown(aggregate(fabricated_plan(tmp_path / "two", spec, runs))))
-    assert two["ViT-A DyT"][3] == "2.0" and two["ViT-A DyT"][7] == "70.50 ± 0.71 (2)"
+    assert two["ViT-A DyT"][3] == "2.0" and two["ViT-A DyT"][7] == "70.50 ± 6.35 (2)"
     assert "the best of its runs' `trainer.lr_factor` values by Top-1" in md
     by = {(r["backbone.name"], r["norm.name"], r["metric"]): r
           for r in csv.DictReader(io.StringIO(to_csv(result)))}
@@ -193,27 +195,29 @@ def test_pivot_layout_and_latex(tmp_path):
     lines = [line for line in to_markdown(result).splitlines() if line.startswith("| ")]
     assert lines[0].split(" | ")[2:] == ["LN", "DyT |"]
     body = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[1:]]
-    assert body[0] == ["ViT-A", "ours", "81.00 ± 1.00 (3)", "84.00 ± 1.41 (2); diverged@123"]
+    assert body[0] == ["ViT-A", "ours", "81.00 ± 2.48 (3)", "84.00 ± 12.71 (2); diverged@123"]
     assert body[1] == ["", "paper", "80.00", "81.00"]
-    assert body[2] == ["", "Δ ours", "—", "+3.00"] and body[3] == ["", "Δ paper", "—", "+1.00"]
+    assert body[2] == ["", "Δ ours", "—", "+3.00 ± 5.98 ≈ (Welch)"]
+    assert body[3] == ["", "Δ paper", "—", "+1.00"]
     assert body[4] == ["", "run as", "vit_a_micro", "vit_a_micro"]
-    assert body[5][:3] == ["ViT-B", "ours", "70.50 (1); failed: RuntimeError: boom; missing"]
+    assert body[5][:3] == ["ViT-B", "ours", "70.50 (1 run); failed: RuntimeError: boom; missing"]
     tex = to_latex(result)
-    assert "\\toprule" in tex and "\\bottomrule" in tex and "84.00 $\\pm$ 1.41 (2); diverged@123" in tex
+    assert "\\toprule" in tex and "\\bottomrule" in tex and "84.00 $\\pm$ 12.71 (2); diverged@123" in tex
     assert "Δ" not in tex and "$\\Delta$ ours" in tex
 
 
 def test_written_files_and_results_index(tmp_path):
     out = tmp_path / "results" / "tables"
     paths = write_table(aggregate(fabricated_plan(tmp_path)), out)
-    assert sorted(p.name for p in paths) == ["fab.csv", "fab.md", "fab.png", "fab.tex", "fab_curves.png"]
+    assert sorted(p.name for p in paths) == ["fab.csv", "fab.md", "fab.png", "fab.tex", "fab_across.csv",
+                                                 "fab_curves.png"]
     assert all(p.stat().st_size > 0 for p in paths)
     index = (tmp_path / "results" / "README.md").read_text()
     assert "[fab](tables/fab.md)" in index and "| smoke |" in index and "6 / 4 / 1 of 12" in index
 
 
 def drawn_bars(result, tmp_path, monkeypatch) -> list[dict]:
-    """Every bar ``plot_bars`` draws: its x, colour, hatch and legend label."""
+    """Every bar ``plot_bars`` draws: its x, colour, hatch, legend label, error bar and edge style."""
     from matplotlib.axes import Axes
 
     from normexp.tables.render import plot_bars
@@ -221,7 +225,8 @@ def drawn_bars(result, tmp_path, monkeypatch) -> list[dict]:
     bars, real_bar = [], Axes.bar
 
     def bar(self, x, height, width, **kw):
-        bars.append({"x": x, "color": kw.get("color"), "hatch": kw.get("hatch"), "label": kw.get("label")})
+        bars.append({"x": x, "color": kw.get("color"), "hatch": kw.get("hatch"), "label": kw.get("label"),
+                     "yerr": kw.get("yerr"), "linestyle": kw.get("linestyle")})
         return real_bar(self, x, height, width, **kw)
 
     monkeypatch.setattr(Axes, "bar", bar)

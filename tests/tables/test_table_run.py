@@ -77,7 +77,7 @@ def test_table_runs_skips_and_plans_what_is_missing(tmp_path, capfd, monkeypatch
     assert cells["dyt identity"][2].startswith("diverged@")
     assert int(cells["dyt identity"][2].removeprefix("diverged@")) <= 10
     top1 = cells["dyt tanh"][2]
-    assert top1.endswith(" (1)") and 0 < float(top1.split()[0]) <= 100
+    assert top1.endswith(" (1 run)") and 0 < float(top1.split()[0]) <= 100
     assert cells["ln None"][2].startswith("failed: UserError: the training set is smaller than one batch")
     for suffix in (".md", ".csv", ".tex", ".png", "_curves.png"):
         assert (out / f"tiny{suffix}").stat().st_size > 0
@@ -167,4 +167,4 @@ def test_two_planners_at_once_train_every_run_once(tmp_path):
         assert not (summary.parent / "run.lock").exists()
     for i in range(2):
         cells = md_cells((tmp_path / f"results{i}" / "pair.md").read_text())
-        assert all(cells[row][1].endswith(" (1)") for row in cells), cells
+        assert all(cells[row][1].endswith(" (1 run)") for row in cells), cells

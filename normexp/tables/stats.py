@@ -1,0 +1,235 @@
+"""How sure a table's numbers are: confidence intervals over seeds, paired and unpaired deltas, and the
+aggregates across backbones that Agarwal et al. recommend (Deep RL at the edge of the statistical precipice,
+NeurIPS 2021, arXiv:2108.13264; their ``rliable`` library).
+
+- :func:`t_interval`: the mean of a cell's seeds and its 95 % confidence interval, Student's t with n - 1
+  degrees of freedom (none for one run).
+- :func:`paired_delta` (the per-seed differences of two rows that ran the same seeds: their mean and t
+  interval), :func:`welch_delta` (two rows whose seeds differ: Welch's t interval, with the
+  Welch-Satterthwaite degrees of freedom, Welch 1947), and :func:`delta`, which picks one of the two;
+  :func:`within_noise`: whether a delta's interval contains 0.
+- :func:`pooled_std`: the seed-to-seed standard deviation pooled over the rows of a table.
+- :func:`probability_of_improvement` and :func:`mean_ranks` across strata (backbones), with stratified
+  bootstrap intervals (each stratum's runs resampled within it, as Agarwal et al. do), by
+  ``scipy.stats.bootstrap``'s percentile method.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import statistics
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# scipy.stats is imported where it is used: reading a table's spec or ``normexp compare --help`` stays quick
+
+WITHIN_NOISE = "≈"  # the mark of a delta whose interval contains 0, the same in every format and plot
+CONFIDENCE = 0.95
+N_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0  # the same intervals on every render of the same records
+
+
+@dataclass(frozen=True)
+class Interval:
+    """An estimate and its confidence interval (``low``/``high`` None: no interval, e.g. one run).
+
+    ``n``: runs (pairs of runs for a paired delta) it is made of; ``df``: the t distribution's degrees of
+    freedom; ``kind``: how it was made (``t``, ``paired``, ``Welch``, ``bootstrap``)."""
+
+    estimate: float
+    low: float | None = None
+    high: float | None = None
+    n: int = 1
+    df: float | None = None
+    kind: str = "t"
+
+    @property
+    def half_width(self) -> float | None:
+        """Half the interval's width (the ``±`` of a symmetric t interval)."""
+        return None if self.low is None or self.high is None else (self.high - self.low) / 2
+
+    @property
+    def has_interval(self) -> bool:
+        return self.low is not None and self.high is not None
+
+
+def _t_around(estimate: float, se: float, df: float, n: int, kind: str, confidence: float) -> Interval:
+    from scipy import stats
+
+    half = 0.0 if se == 0 else float(stats.t.ppf((1 + confidence) / 2, df)) * se
+    return Interval(estimate, estimate - half, estimate + half, n, df, kind)
+
+
+def by_seed(seeds: Sequence[Hashable], values: Sequence[float]) -> dict[Hashable, float]:
+    """``values`` keyed by their seeds (by seed and position where a seed repeats)."""
+    if len(set(seeds)) == len(seeds):
+        return dict(zip(seeds, values, strict=True))
+    return {(s, i): v for i, (s, v) in enumerate(zip(seeds, values, strict=True))}
+
+
+def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval | None:
+    """The mean of ``values`` and its Student t interval (n - 1 df); one value: the value, no interval;
+    none: None."""
+    n = len(values)
+    if n == 0:
+        return None
+    mean = statistics.fmean(values)
+    if n == 1:
+        return Interval(mean, n=1)
+    return _t_around(mean, statistics.stdev(values) / math.sqrt(n), n - 1, n, "t", confidence)
+
+
+def paired_delta(x: Mapping[Hashable, float], y: Mapping[Hashable, float],
+                 confidence: float = CONFIDENCE) -> Interval | None:
+    """``x - y`` paired by key (seed): the mean of the per-seed differences over the keys both have, and
+    its t interval (n - 1 df over n pairs); one pair: no interval; none: None."""
+    diffs = [x[k] - y[k] for k in x if k in y]
+    found = t_interval(diffs, confidence)
+    return None if found is None else Interval(found.estimate, found.low, found.high, found.n, found.df,
+                                               "paired")
+
+
+def welch_delta(x: Sequence[float], y: Sequence[float], confidence: float = CONFIDENCE) -> Interval | None:
+    """``mean(x) - mean(y)`` of two independent samples and Welch's t interval, its degrees of freedom by
+    the Welch-Satterthwaite equation (Welch 1947); a side with one value: no interval; an empty side: None."""
+    if not x or not y:
+        return None
+    estimate = statistics.fmean(x) - statistics.fmean(y)
+    n = len(x) + len(y)
+    if len(x) < 2 or len(y) < 2:
+        return Interval(estimate, n=n, kind="Welch")
+    vx, vy = statistics.variance(x) / len(x), statistics.variance(y) / len(y)
+    se = math.sqrt(vx + vy)
+    df = (vx + vy) ** 2 / (vx ** 2 / (len(x) - 1) + vy ** 2 / (len(y) - 1)) if se > 0 else n - 2
+    return _t_around(estimate, se, df, n, "Welch", confidence)
+
+
+def delta(x: Mapping[Hashable, float], y: Mapping[Hashable, float],
+          confidence: float = CONFIDENCE) -> Interval | None:
+    """``x - y`` for two rows' values keyed by seed: paired when both have the same seeds (then the
+    estimate is also the difference of the two means), Welch's where they differ."""
+    if x and set(x) == set(y):
+        return paired_delta(x, y, confidence)
+    return welch_delta(list(x.values()), list(y.values()), confidence)
+
+
+def within_noise(interval: Interval | None) -> bool | None:
+    """Whether the interval contains 0 (the difference is not told apart from seed noise); None without an
+    interval."""
+    if interval is None or not interval.has_interval:
+        return None
+    return interval.low <= 0 <= interval.high  # type: ignore[operator]
+
+
+def pooled_std(samples: Sequence[Sequence[float]]) -> tuple[float, int] | None:
+    """The standard deviation pooled over samples of two or more values, sqrt(sum (n_i - 1) s_i^2 /
+    sum (n_i - 1)), and its degrees of freedom; None when no sample has two values."""
+    used = [s for s in samples if len(s) >= 2]
+    df = sum(len(s) - 1 for s in used)
+    if df == 0:
+        return None
+    return math.sqrt(sum((len(s) - 1) * statistics.variance(s) for s in used) / df), df
+
+
+# ---------------------------------------------------------------- across strata (backbones)
+def bootstrap_interval(samples: Sequence[Sequence[float]], statistic: Callable[..., Any],
+                       confidence: float = CONFIDENCE, n_resamples: int = N_RESAMPLES) -> tuple[float, float]:
+    """The percentile interval of ``statistic(*samples, axis=-1)`` under the stratified bootstrap: each
+    sample resampled with replacement within itself (``scipy.stats.bootstrap`` with ``paired=False``)."""
+    from scipy import stats
+
+    seed = {"rng": BOOTSTRAP_SEED} if "rng" in inspect.signature(stats.bootstrap).parameters \
+        else {"random_state": BOOTSTRAP_SEED}
+    found = stats.bootstrap(tuple(np.asarray(s, dtype=float) for s in samples), statistic, paired=False,
+                            vectorized=True, axis=-1, method="percentile", n_resamples=n_resamples,
+                            confidence_level=confidence, **seed)
+    return float(found.confidence_interval.low), float(found.confidence_interval.high)
+
+
+def _score(x: Any, y: Any) -> Any:
+    """1 where x beats y, 1/2 for a tie, 0 otherwise (Agarwal et al.'s S(x, y))."""
+    return (x > y) + 0.5 * (x == y)
+
+
+def probability_of_improvement(strata: Sequence[tuple[Mapping[Hashable, float], Mapping[Hashable, float]]],
+                               higher_is_better: bool = True,
+                               confidence: float = CONFIDENCE) -> Interval | None:
+    """P(X > Y): the chance that a run of X beats a run of Y on the same stratum (backbone), the mean over
+    strata of each stratum's chance (Agarwal et al. 2021, Sec. 4.3). A stratum is ``(x, y)``, the two
+    methods' values keyed by seed: where both ran the same seeds, the runs compared are those of the same
+    seed; where the seeds differ, every run of X with every run of Y (the Mann-Whitney statistic, as
+    ``rliable``). The interval is the stratified bootstrap's (runs resampled within their stratum); it is
+    None where some stratum has fewer than two runs (pairs) on a side."""
+    sign = 1.0 if higher_is_better else -1.0
+    samples: list[list[float]] = []
+    layout: list[int] = []  # per stratum: 1 (one sample of per-seed scores) or 2 (x's and y's runs)
+    for x, y in strata:
+        if not x or not y:
+            continue
+        if set(x) == set(y):
+            samples.append([float(_score(sign * x[k], sign * y[k])) for k in x])
+            layout.append(1)
+        else:
+            samples += [[sign * v for v in x.values()], [sign * v for v in y.values()]]
+            layout.append(2)
+    if not layout:
+        return None
+
+    def statistic(*resampled: Any, axis: int = -1) -> Any:
+        parts, i = [], 0
+        for width in layout:
+            if width == 1:
+                parts.append(np.mean(resampled[i], axis=axis))
+            else:
+                a, b = np.moveaxis(resampled[i], axis, -1), np.moveaxis(resampled[i + 1], axis, -1)
+                parts.append(np.mean(_score(a[..., :, None], b[..., None, :]), axis=(-2, -1)))
+            i += width
+        return np.mean(parts, axis=0)
+
+    estimate = float(statistic(*[np.asarray(s) for s in samples]))
+    n = sum(len(s) for s in samples)
+    if min(len(s) for s in samples) < 2:
+        return Interval(estimate, n=n, kind="bootstrap")
+    low, high = bootstrap_interval(samples, statistic, confidence)
+    return Interval(estimate, low, high, n, None, "bootstrap")
+
+
+def mean_ranks(strata: Sequence[Mapping[Hashable, Sequence[float]]], higher_is_better: bool = True,
+               confidence: float = CONFIDENCE) -> dict[Hashable, Interval]:
+    """Each method's rank by its mean in each stratum (1: best; ties share the mean of their ranks), averaged
+    over the strata it is in (Agarwal et al. 2021's rank aggregate), with a stratified bootstrap interval
+    (each method's runs resampled within their stratum); no interval where some run set has one run."""
+    from scipy import stats
+
+    sign = -1.0 if higher_is_better else 1.0  # rank 1 for the best
+    strata = [{m: list(v) for m, v in s.items() if len(v)} for s in strata]
+    methods = list(dict.fromkeys(m for s in strata for m in s))
+    samples = [s[m] for s in strata for m in s]
+
+    def ranks_of(method: Hashable) -> Callable[..., Any]:
+        def statistic(*resampled: Any, axis: int = -1) -> Any:
+            i, found = 0, []
+            for s in strata:
+                means = np.stack([np.mean(resampled[i + j], axis=axis) for j in range(len(s))], axis=-1)
+                if method in s:
+                    ranked = stats.rankdata(sign * means, axis=-1)
+                    found.append(ranked[..., list(s).index(method)])
+                i += len(s)
+            return np.mean(found, axis=0)
+        return statistic
+
+    out = {}
+    for method in methods:
+        statistic = ranks_of(method)
+        estimate = float(statistic(*[np.asarray(s, dtype=float) for s in samples]))
+        n = sum(len(s[method]) for s in strata if method in s)
+        if min(len(s) for s in samples) < 2:
+            out[method] = Interval(estimate, n=n, kind="bootstrap")
+            continue
+        low, high = bootstrap_interval(samples, statistic, confidence)
+        out[method] = Interval(estimate, low, high, n, None, "bootstrap")
+    return out
