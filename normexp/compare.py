@@ -35,7 +35,7 @@ from typing import Any
 
 from .errors import UserError
 from .tables import stats
-from .tables.spec import Metric, get_path
+from .tables.spec import DEFAULT_SCALE, Metric, get_path
 from .tracking.records import Record, index_records, output_root, warn_damaged
 
 
@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", type=Path, default=None, help="output root (default: $NORMEXP_OUTPUT_DIR "
                         "or outputs)")
     parser.add_argument("--table", default=None, help="only the runs of this table, grouped by its rows")
-    parser.add_argument("--scale", default="smoke", help="with --table: the scale (default smoke)")
+    parser.add_argument("--scale", default=DEFAULT_SCALE,
+                        help=f"with --table: the scale (default {DEFAULT_SCALE})")
     parser.add_argument("--seeds", default=None, help="with --table: e.g. 0,1,2 (default: the scale's)")
     parser.add_argument("--tag", action="append", default=[], help="keep runs with this W&B tag (repeatable)")
     parser.add_argument("--group-by", default=None, help="comma-separated config paths "

@@ -12,8 +12,8 @@ A table or scale name is looked up in normexp's ``configs/`` and then in the dir
 
 ``run`` plans the table (which runs it needs, which are done), launches the missing ones as one Hydra
 multirun with the table sweeper (``python -m normexp -m hydra/sweeper=table ...``, so any Hydra launcher can
-run them), then renders ``results/tables/<id>.{md,csv,tex,png}`` and ``<id>_curves.png`` from the records.
-It exits 1 when a run failed or is still missing (after rendering what there is), 0 otherwise -- a
+run them), then renders ``results/tables/<id>.{md,csv,tex,png}`` and ``<id>_curves.png`` from the records
+(at a scale other than smoke: in ``results/tables/<scale>/``). It exits 1 when a run failed or is still missing (after rendering what there is), 0 otherwise -- a
 diverged run is a result.
 """
 
@@ -31,7 +31,7 @@ from ..tracking.lock import live_owner
 from .aggregate import aggregate
 from .plan import PlannedRun, TablePlan, hydra_composer, is_hydra_override, plan_table
 from .render import RESULTS_DIR, to_markdown, write_table
-from .spec import list_scales, list_tables, load_scale, load_table, searchpath_of
+from .spec import DEFAULT_SCALE, list_scales, list_tables, load_scale, load_table, searchpath_of
 from .sweep import print_plan
 
 WAIT_POLL_S = 5.0
@@ -159,7 +159,7 @@ def planner_cli(prog: str, description: str, item: str, out: Path, list_func: Ca
                              ("render", render_func, f"render a {item} from its run records")):
         p = sub.add_parser(name, help=what)
         p.add_argument(item, help=f"a {item} id (configs/{item}/<id>.yaml) or a {item} spec file")
-        p.add_argument("--scale", default="smoke", help="a scale (configs/scale/<name>.yaml) or a file")
+        p.add_argument("--scale", default=DEFAULT_SCALE, help="a scale (configs/scale/<name>.yaml) or a file")
         p.add_argument("--seeds", type=parse_seeds, default=None, help="e.g. 0,1,2 (default: the scale's)")
         p.add_argument("--out", type=Path, default=out, help=f"where the {item} files go")
         p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (part of its identity)")

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..plotting import member_styles
 from .aggregate import DERIVED_NOTES, Across, Cell, Row, TableResult, across_strata, metric_value
-from .spec import Metric, get_path
+from .spec import DEFAULT_SCALE, Metric, get_path
 from .stats import CONFIDENCE, N_RESAMPLES, WITHIN_NOISE, Interval
 
 LEVEL = f"{CONFIDENCE * 100:.0f} %"
@@ -598,6 +598,12 @@ def plot_curves(result: TableResult, path: Path) -> None:
 
 # ---------------------------------------------------------------- writing
 def write_table(result: TableResult, out_dir: Path = RESULTS_DIR / "tables") -> list[Path]:
+    """The table's files in ``out_dir`` (at a scale other than the default: in ``out_dir/<scale>``), its entry
+    in that folder's ``index.json`` and the README beside ``out_dir`` (``results/README.md``)."""
+    readme = out_dir.parent / "README.md"
+    scale = result.plan.scale.name
+    if scale != DEFAULT_SCALE:
+        out_dir = out_dir / scale
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / result.spec.id
     paths = [stem.with_suffix(".md"), stem.with_suffix(".csv"), stem.with_suffix(".tex")]
@@ -610,25 +616,34 @@ def write_table(result: TableResult, out_dir: Path = RESULTS_DIR / "tables") -> 
     plot_bars(result, stem.with_suffix(".png"))
     plot_curves(result, out_dir / f"{result.spec.id}_curves.png")
     paths += [stem.with_suffix(".png"), out_dir / f"{result.spec.id}_curves.png"]
-    update_index(result, out_dir)
+    update_index(result, out_dir, readme)
     return paths
 
 
-def update_index(result: TableResult, out_dir: Path) -> None:
-    """``index.json`` beside the tables, and the tables section of ``results/README.md`` built from it."""
+def update_index(result: TableResult, out_dir: Path, readme: Path) -> None:
+    """``index.json`` beside the tables, and their section of ``readme`` built from it (one per scale)."""
+    folder = out_dir.relative_to(readme.parent).as_posix() if out_dir.is_relative_to(readme.parent) \
+        else out_dir
+
     def row(table_id: str, entry: dict[str, Any]) -> str:
         runs = entry["runs"]
-        return (f"| [{table_id}](tables/{table_id}.md) | {entry['title']} | {entry['scale']} | "
+        return (f"| [{table_id}]({folder}/{table_id}.md) | {entry['title']} | {entry['scale']} | "
                 f"{runs['completed']} / {runs['diverged']} / {runs['failed']} of {runs['total']} | "
                 f"{entry['rendered_at'][:10]} |")
 
+    scale = result.plan.scale.name
+    markers, heading = (INDEX_BEGIN, INDEX_END), "Paper tables"
+    if scale != DEFAULT_SCALE:
+        markers = tuple(m.replace("tables:", f"tables-{scale}:") for m in markers)
+        heading = f"Paper tables at scale {scale}"
     entry = {"title": result.spec.title, "source": result.spec.source, **provenance(result)}
-    write_index(out_dir, result.spec.id, entry, "Paper tables", (INDEX_BEGIN, INDEX_END),
-                "| table | what | scale | runs: completed / diverged / failed of all | rendered |", row)
+    write_index(out_dir, result.spec.id, entry, heading, markers,
+                "| table | what | scale | runs: completed / diverged / failed of all | rendered |", row,
+                readme)
 
 
 def write_index(out_dir: Path, key: str, entry: dict[str, Any], heading: str, markers: tuple[str, str],
-                header: str, row: Callable[[str, dict[str, Any]], str]) -> None:
+                header: str, row: Callable[[str, dict[str, Any]], str], readme: Path | None = None) -> None:
     """Set ``key`` in ``out_dir/index.json``, then rewrite the section of ``results/README.md`` between
     ``markers`` (added under ``## heading`` where the README has none) as a table of the whole index."""
     index_path = out_dir / "index.json"
@@ -638,7 +653,7 @@ def write_index(out_dir: Path, key: str, entry: dict[str, Any], heading: str, ma
     begin, end = markers
     rule = "|" + "---|" * header.count(" | ") + "---|"
     lines = "\n".join([begin, header, rule, *(row(k, v) for k, v in sorted(index.items())), end])
-    readme = out_dir.parent / "README.md"
+    readme = readme or out_dir.parent / "README.md"
     text = readme.read_text() if readme.is_file() else "# Results\n"
     if begin in text:
         text = text[:text.index(begin)] + lines + text[text.index(end) + len(end):]

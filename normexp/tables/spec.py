@@ -277,20 +277,31 @@ class Scale:
         return out + list(self.overrides.get(task, []))
 
 
-SCALE_KEYS = {"description", "caption", "seeds", "replace", "overrides"}
+DEFAULT_SCALE = "smoke"  # what `make table-<id>` and `normexp table run` use unless told
+SCALE_KEYS = {"extends", "description", "caption", "seeds", "replace", "overrides"}
 
 
 def load_scale(name: str, searchpath: Iterable[str] = ()) -> Scale:
     """The scale ``configs/scale/<name>.yaml`` (normexp's or on the search path, as a table) or the file
-    ``name``."""
+    ``name``. ``extends: <scale>`` starts from that scale: this file's ``replace`` patterns are tried before
+    its own, its ``overrides`` replace the base's task by task, and the rest is this file's."""
     path = _spec_path(name, "scale", searchpath)
     name = path.stem
     data = _load_yaml(path, "scale", list_scales(searchpath))
     _unknown_keys(data, SCALE_KEYS, str(path))
+    replace, overrides = data.get("replace") or {}, data.get("overrides") or {}
+    if data.get("extends"):
+        base = load_scale(str(data["extends"]), searchpath)
+        merged = {key: dict(patterns) for key, patterns in replace.items()}
+        for key, patterns in base.replace.items():
+            for pattern, values in patterns.items():
+                merged.setdefault(key, {}).setdefault(pattern, values)
+        replace = merged
+        overrides = {**base.overrides, **overrides}
     seeds = data.get("seeds") or [0]
     return Scale(name=name, description=str(data.get("description", "")).strip(),
-                 seeds=tuple(int(s) for s in seeds), replace=data.get("replace") or {},
-                 overrides=data.get("overrides") or {}, caption=str(data.get("caption", "")).strip())
+                 seeds=tuple(int(s) for s in seeds), replace=replace, overrides=overrides,
+                 caption=str(data.get("caption", "")).strip())
 
 
 # ---------------------------------------------------------------- points

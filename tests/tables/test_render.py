@@ -216,6 +216,20 @@ def test_written_files_and_results_index(tmp_path):
     assert "[fab](tables/fab.md)" in index and "| smoke |" in index and "6 / 4 / 1 of 12" in index
 
 
+def test_a_scale_other_than_smoke_has_a_folder_and_an_index_section_of_its_own(tmp_path):
+    import dataclasses
+
+    out = tmp_path / "results" / "tables"
+    plan = fabricated_plan(tmp_path)
+    write_table(aggregate(plan), out)
+    plan.scale = dataclasses.replace(plan.scale, name="laptop")
+    paths = write_table(aggregate(plan), out)
+    assert {p.parent for p in paths} == {out / "laptop"} and (out / "fab.md").is_file()
+    index = (tmp_path / "results" / "README.md").read_text()
+    assert "## Paper tables at scale laptop" in index and "[fab](tables/laptop/fab.md)" in index
+    assert "[fab](tables/fab.md)" in index  # the smoke section stays
+
+
 def drawn_bars(result, tmp_path, monkeypatch) -> list[dict]:
     """Every bar ``plot_bars`` draws: its x, colour, hatch, legend label, error bar and edge style."""
     from matplotlib.axes import Axes

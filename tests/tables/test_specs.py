@@ -204,6 +204,19 @@ def test_every_scale_loads():
         assert load_scale(scale).seeds
 
 
+def test_a_scale_extends_another(tmp_path):
+    """``extends``: the base's patterns after the file's own (first match wins), its task overrides replaced
+    task by task."""
+    path = tmp_path / "longer.yaml"
+    path.write_text("extends: smoke\nseeds: [0, 1]\nreplace:\n  backbone:\n    'vit_small': [backbone=vit_tiny]\n"
+                    "overrides:\n  classification: [trainer.epochs=30]\n")
+    scale, smoke = load_scale(str(path)), load_scale("smoke")
+    assert scale.seeds == (0, 1)
+    assert scale.apply(["backbone=vit_small"], "classification") == ["backbone=vit_tiny", "trainer.epochs=30"]
+    assert scale.apply(["backbone=vit_base"], "classification") == ["backbone=vit_micro", "trainer.epochs=30"]
+    assert scale.apply(["experiment=dit_imagenet"], "dit") == smoke.apply(["experiment=dit_imagenet"], "dit")
+
+
 def test_table_runs_are_named_after_the_rows_they_serve(plans):
     """Dashboards tell a table's runs apart by the rows they serve (both ViT sizes run as one micro member at
     smoke, so one name says both), and plot the table's metric."""
