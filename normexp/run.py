@@ -35,7 +35,7 @@ from .engine.checkpoint import checkpoint_file, load_checkpoint
 from .errors import Diverged, Interrupted, UserError, one_line, storage_error
 from .models import check_buildable
 from .tasks import get_task
-from .tracking import MIRRORS
+from .tracking import LOGGER_CLASSES
 from .tracking.lock import RunLock, live_owner
 from .tracking.provenance import IDENTITY_DEFAULTS, NON_IDENTITY_KEYS, config_hash, seed_everything
 from .tracking.records import (
@@ -62,7 +62,7 @@ def build_mirrors(cfg: DictConfig, run_dir: Path, config: dict[str, Any]) -> lis
     record; imported only when used."""
     mirrors = []
     for name, settings in (cfg.get("logger") or {}).items():
-        module, cls = MIRRORS[name]
+        module, cls = LOGGER_CLASSES[name]
         mirror = getattr(importlib.import_module(module), cls)
         mirrors.append(mirror(settings, run_dir, config, name=display_name(config), tags=run_tags(config)))
     return mirrors

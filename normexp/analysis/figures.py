@@ -43,7 +43,7 @@ from ..tables.spec import Metric, TableSpec, list_scales, load_scale, searchpath
 from ..tables.sweep import print_plan
 from .core import ANALYSES, RunAnalysis, analyse, load_run, select_slots
 from .render import (
-    Shown,
+    LabelledRun,
     alpha_history_rows,
     io_point_rows,
     plot_alpha,
@@ -250,7 +250,7 @@ def render_figure(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_
     """Draw the figure and write its numbers: into a temporary directory, then moved into ``out_dir``."""
     if spec.analysis == "stability":
         return render_stability(spec, plan, runs, out_dir)
-    shown = [Shown(r.label, r.analysis) for r in runs if r.analysis is not None]
+    shown = [LabelledRun(r.label, r.analysis) for r in runs if r.analysis is not None]
     problems = [r.problem for r in runs if r.problem]
     if not shown:
         raise UserError(f"figure {spec.id}: no run has a trained model to analyse ({'; '.join(problems)})")
