@@ -37,7 +37,7 @@ from .models import check_buildable
 from .tasks import get_task
 from .tracking import LOGGER_CLASSES
 from .tracking.lock import RunLock, live_owner
-from .tracking.provenance import IDENTITY_DEFAULTS, NON_IDENTITY_KEYS, config_hash, seed_everything
+from .tracking.provenance import IDENTITY_DEFAULTS, NON_IDENTITY_KEYS, config_hash, flatten, seed_everything
 from .tracking.records import (
     DONE,
     MetricsMirror,
@@ -80,18 +80,10 @@ class Start:
     summary: dict[str, Any] | None = None  # the record in the directory: returned when done, else continued
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
-
-
 def differences(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> str:
     """The identity keys whose values differ, ``key: old -> new``, the first ``limit`` of them."""
-    a, b = ({**IDENTITY_DEFAULTS, **_flat(c)} for c in (old, new))  # a default is what its absence built
+    # a default is what its absence built; an empty mapping sets no key, as its absence
+    a, b = ({**IDENTITY_DEFAULTS, **{k: v for k, v in flatten(c).items() if v != {}}} for c in (old, new))
     ignored = tuple(NON_IDENTITY_KEYS)
     keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
             and not any(k == i or k.startswith(i + ".") for i in ignored)]

@@ -80,10 +80,12 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=1, default=_jsonable) + "\n")
+    path.write_text(json.dumps(obj, indent=1, default=_json_default) + "\n")
 
 
-def _jsonable(value: Any) -> Any:
+def _json_default(value: Any) -> Any:
+    """``json.dumps``' default for what it cannot write: numpy numbers and arrays as Python ones (values as
+    they are, NaN included), anything else as its str."""
     if isinstance(value, (np.floating, np.integer)):
         return value.item()
     if isinstance(value, np.ndarray):
