@@ -254,39 +254,41 @@ def run(cfg: DictConfig, run_dir: str | Path, find_unfinished_run: bool = False,
     task = get_task(cfg.task.name)
     prepared = task.prepare(cfg)
     check_buildable(prepared.backbone, prepared.norm, dense=task.dense)
-    world = distributed.init_distributed(prepared.trainer.device)
-    config = resolve(prepared)
-    start = lock = refusal = None
-    if world.is_main:
-        try:
-            run_dir = named_after(run_dir, cfg.name, prepared.name)
-            start, lock = claim(run_dir, config, prepared.trainer.resume, find_unfinished_run)
-        except (UserError, OSError) as e:
-            refusal = as_user_error(e)
-    kind, where, why = distributed.broadcast_object(
-        (start.kind, str(start.run_dir), None) if start else (None, None, str(refusal)))
-    if why is not None:
-        raise refusal if refusal is not None else UserError(why)
-    cfg, run_dir = prepared, Path(where)
-    try:
-        if kind == "done":
-            return start.summary if start else _done_summary(run_dir)
+    # left when the run ends (Interrupted, UserError: on every process), unless the entry point joined it
+    with distributed.process_group(prepared.trainer.device, ends=(UserError, Interrupted)) as world:
+        config = resolve(prepared)
+        start = lock = refusal = None
         if world.is_main:
-            if on_start is not None:
-                on_start(run_dir)
-            for path in remove_stale_temporaries(run_dir):
-                log.info("removed %s (left by a process killed while writing it)", path.name)
-        seed_everything(cfg.seed + world.rank)  # every process its own augmentation; DDP shares process 0's
-        mirrors = build_mirrors(cfg, run_dir, config) if world.is_main else []
+            try:
+                run_dir = named_after(run_dir, cfg.name, prepared.name)
+                start, lock = claim(run_dir, config, prepared.trainer.resume, find_unfinished_run)
+            except (UserError, OSError) as e:
+                refusal = as_user_error(e)
+        kind, where, why = distributed.broadcast_object(
+            (start.kind, str(start.run_dir), None) if start else (None, None, str(refusal)))
+        if why is not None:
+            raise refusal if refusal is not None else UserError(why)
+        cfg, run_dir = prepared, Path(where)
         try:
-            record = RunRecord(run_dir, config, mirrors, writes=world.is_main, rows=start and start.rows,
-                               resume_state=start and start.state, previous=start and start.summary)
-        except OSError as e:
-            raise as_user_error(e) from e
-        return _run_task(task, cfg, record)
-    finally:
-        if lock is not None:
-            lock.release()
+            if kind == "done":
+                return start.summary if start else _done_summary(run_dir)
+            if world.is_main:
+                if on_start is not None:
+                    on_start(run_dir)
+                for path in remove_stale_temporaries(run_dir):
+                    log.info("removed %s (left by a process killed while writing it)", path.name)
+            # every process its own augmentation; DDP shares process 0's
+            seed_everything(cfg.seed + world.rank)
+            mirrors = build_mirrors(cfg, run_dir, config) if world.is_main else []
+            try:
+                record = RunRecord(run_dir, config, mirrors, writes=world.is_main, rows=start and start.rows,
+                                   resume_state=start and start.state, previous=start and start.summary)
+            except OSError as e:
+                raise as_user_error(e) from e
+            return _run_task(task, cfg, record)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _done_summary(run_dir: Path) -> dict[str, Any]:
