@@ -211,8 +211,9 @@ def _unparsable_override() -> str | None:
     return None
 
 
-def join_job() -> None:
-    """Before Hydra names the run directory: every process of a job must name the same one.
+def join_job() -> bool:
+    """Before Hydra names the run directory: every process of a job must name the same one. Returns whether
+    this process joined the job's process group here (then :func:`main` leaves it after the last run).
 
     The directory's time stamp comes from ``NORMEXP_RUN_STAMP`` (train.yaml), set here once and inherited
     by what this process launches -- SLURM jobs of a sweep, and the same jobs when they are requeued, so a
@@ -221,7 +222,7 @@ def join_job() -> None:
     """
     os.environ.setdefault("NORMEXP_RUN_STAMP", datetime.now().strftime("%Y-%m-%d/%H-%M-%S"))
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        return
+        return False
     from . import distributed
 
     cpu = any(arg in ("trainer.device=cpu", "++trainer.device=cpu") for arg in sys.argv[1:])
@@ -231,6 +232,7 @@ def join_job() -> None:
         # stdout logging only: train.yaml's settings of the file handler would name a handler it lacks
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout",
                      "~hydra.job_logging.handlers.file", "hydra.job_logging.root.level=WARNING"]
+    return distributed.joined()
 
 
 def main() -> None:
@@ -241,7 +243,7 @@ def main() -> None:
         sys.argv[0] = f"normexp {command}"
         importlib.import_module(COMMANDS[command]).main()
         return
-    join_job()
+    joined = join_job()
     own_full_error = "HYDRA_FULL_ERROR" in os.environ
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra's errors reach us whole: one line each, below
     try:
@@ -261,6 +263,10 @@ def main() -> None:
             raise
         print(f"error: {one_line(error)}", file=sys.stderr)
         sys.exit(2)
+    if joined:  # the group joined for the job's runs: left once they have all ended
+        from . import distributed
+
+        distributed.shutdown()
 
 
 if __name__ == "__main__":

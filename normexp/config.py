@@ -49,7 +49,8 @@ def rng(low: float | None = None, high: float | None = None, **kw: Any) -> dict[
     return {k: v for k, v in {"min": low, "max": high, **kw}.items() if v is not None}
 
 
-def _f(default: Any, **check: Any) -> Any:
+def checked_field(default: Any, **check: Any) -> Any:
+    """A dataclass field with its default and its checks (:func:`rng`'s metadata)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: default, metadata=check)
     return field(default=default, metadata=check)
@@ -189,16 +190,16 @@ class LoaderFields:
     """What every dataset's config has."""
 
     name: str = "???"
-    img_size: int = _f(16, **rng(1))
-    num_classes: int = _f(10, **rng(1))
-    batch_size: int = _f(64, **rng(1))
-    eval_batch_size: int = _f(256, **rng(1))
-    num_workers: int = _f(0, **rng(0))
+    img_size: int = checked_field(16, **rng(1))
+    num_classes: int = checked_field(10, **rng(1))
+    batch_size: int = checked_field(64, **rng(1))
+    eval_batch_size: int = checked_field(256, **rng(1))
+    num_workers: int = checked_field(0, **rng(0))
 
 
 @dataclass
 class DigitsSchema(LoaderFields):
-    val_fraction: float = _f(0.2, above=0, max=0.9)
+    val_fraction: float = checked_field(0.2, above=0, max=0.9)
     split_seed: int = 0
     imagenet_c_root: str | None = None
 
@@ -211,17 +212,17 @@ class ImageNetSchema(LoaderFields):
     val_split: str = "val"
     pin_memory: bool = True
     auto_augment: str | None = None
-    color_jitter: float | None = _f(0.3, **rng(0))
+    color_jitter: float | None = checked_field(0.3, **rng(0))
     interpolation: str = "bicubic"
     train_interpolation: str | None = None
-    reprob: float = _f(0.25, **rng(0, 1))
-    remode: str = _f("pixel", choices=["pixel", "rand", "const"])
-    recount: int = _f(1, **rng(1))
-    crop_pct: float = _f(0.875, above=0, max=1)
-    mean: list[float] = _f([0.485, 0.456, 0.406], length=3)
-    std: list[float] = _f([0.229, 0.224, 0.225], length=3, items=rng(above=0))
-    aug_repeats: int = _f(0, **rng(0))
-    on_bad_image: str = _f("skip", choices=["skip", "fail"])
+    reprob: float = checked_field(0.25, **rng(0, 1))
+    remode: str = checked_field("pixel", choices=["pixel", "rand", "const"])
+    recount: int = checked_field(1, **rng(1))
+    crop_pct: float = checked_field(0.875, above=0, max=1)
+    mean: list[float] = checked_field([0.485, 0.456, 0.406], length=3)
+    std: list[float] = checked_field([0.229, 0.224, 0.225], length=3, items=rng(above=0))
+    aug_repeats: int = checked_field(0, **rng(0))
+    on_bad_image: str = checked_field("skip", choices=["skip", "fail"])
 
 
 @dataclass
@@ -230,23 +231,23 @@ class CocoSchema(LoaderFields):
     train_split: str = "train2017"
     val_split: str = "val2017"
     min_size: Any = 800  # shorter side; a list: one drawn per training image (multi-scale)
-    max_size: int = _f(1333, **rng(1))
-    mean: list[float] = _f([0.485, 0.456, 0.406], length=3)
-    std: list[float] = _f([0.229, 0.224, 0.225], length=3, items=rng(above=0))
-    hflip: float = _f(0.5, **rng(0, 1))
+    max_size: int = checked_field(1333, **rng(1))
+    mean: list[float] = checked_field([0.485, 0.456, 0.406], length=3)
+    std: list[float] = checked_field([0.229, 0.224, 0.225], length=3, items=rng(above=0))
+    hflip: float = checked_field(0.5, **rng(0, 1))
     filter_empty_gt: bool = True
-    min_image_size: int = _f(32, **rng(0))
-    on_bad_image: str = _f("skip", choices=["skip", "fail"])
+    min_image_size: int = checked_field(32, **rng(0))
+    on_bad_image: str = checked_field("skip", choices=["skip", "fail"])
 
 
 @dataclass
 class CocoDigitsSchema(CocoSchema):
-    canvas_size: int = _f(96, **rng(32))
-    num_train: int = _f(1000, **rng(1))
-    num_val: int = _f(200, **rng(1))
-    digits_per_image: list[int] = _f([2, 4], length=2, items=rng(1))
-    digit_size: list[int] = _f([12, 28], length=2, items=rng(1))
-    max_overlap: float = _f(0.3, **rng(0, 1))
+    canvas_size: int = checked_field(96, **rng(32))
+    num_train: int = checked_field(1000, **rng(1))
+    num_val: int = checked_field(200, **rng(1))
+    digits_per_image: list[int] = checked_field([2, 4], length=2, items=rng(1))
+    digit_size: list[int] = checked_field([12, 28], length=2, items=rng(1))
+    max_overlap: float = checked_field(0.3, **rng(0, 1))
     generator_seed: int = 0
 
 
@@ -257,12 +258,12 @@ DATA_SCHEMAS: dict[str, type] = {"digits": DigitsSchema, "imagenet": ImageNetSch
 @dataclass
 class PlacementSchema:
     keep: list[str] = field(default_factory=list)
-    first_blocks: int | None = _f(None, **rng(0))
+    first_blocks: int | None = checked_field(None, **rng(0))
 
 
 @dataclass
 class RunSchema:
-    seed: int = _f(0, **rng(0, INT64_MAX))
+    seed: int = checked_field(0, **rng(0, INT64_MAX))
     name: str = "???"
     tags: list[str] = field(default_factory=list)
     plugins: list[str] = field(default_factory=list)  # modules or .py files: normexp.plugins
@@ -452,7 +453,7 @@ def _task_and_data(values: dict[str, Any]) -> Iterator[str]:
 
 
 def _batches(values: dict[str, Any]) -> Iterator[str]:
-    from .distributed import launcher_env
+    from .distributed import DistInfo, launcher_env
     from .engine.batches import accumulation_steps
 
     trainer, batch = values["trainer"], values["data"]["batch_size"]
@@ -460,15 +461,11 @@ def _batches(values: dict[str, Any]) -> Iterator[str]:
     if (mixup["mixup_alpha"] > 0 or mixup["cutmix_alpha"] > 0) and batch % 2:
         yield (f"data.batch_size={batch}: Mixup / CutMix (trainer.mixup) mix each batch with itself reversed "
                f"and need an even batch per process: use data.batch_size={batch + 1} or {batch - 1}")
-    world = (launcher_env() or _Alone).world_size
+    world = (launcher_env() or DistInfo()).world_size  # DistInfo(): one process
     try:
         accumulation_steps(trainer["global_batch"], batch, world, trainer["accum_steps"])
     except UserError as e:
         yield str(e)
-
-
-class _Alone:
-    world_size = 1
 
 
 def _input_size(values: dict[str, Any]) -> Iterator[str]:
@@ -488,9 +485,9 @@ def _input_size(values: dict[str, Any]) -> Iterator[str]:
 
 
 def _loggers(values: dict[str, Any]) -> Iterator[str]:
-    from .tracking import MIRRORS
+    from .tracking import LOGGER_CLASSES
 
-    unknown = sorted(set(values.get("logger") or {}) - set(MIRRORS))
+    unknown = sorted(set(values.get("logger") or {}) - set(LOGGER_CLASSES))
     if unknown:
         yield f"unknown logger(s) {unknown}; use logger=wandb, mlflow, none or a list of them"
 

@@ -17,6 +17,8 @@ import datetime
 import os
 import random
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +119,33 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return gathered
 
 
+def joined() -> bool:
+    """Whether this process is in a process group (joined by :func:`init_distributed`)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
+    """Leave the process group, if this process is in one."""
+    if joined():
         dist.destroy_process_group()
+
+
+@contextmanager
+def process_group(device: str = "auto", ends: tuple[type[BaseException], ...] = ()) -> Iterator[DistInfo]:
+    """:func:`init_distributed` for the block, and :func:`shutdown` at its end if the block joined the group
+    (one joined before -- by the entry point under torchrun -- is its to leave: the runs of a sweep share it).
+
+    The group is left when the block ends normally or with one of ``ends`` (endings every process reaches
+    together); on any other exception it is kept: leaving waits for the collectives still pending, which
+    after one process failed alone may never complete."""
+    joined_before = joined()
+    world = init_distributed(device)
+    try:
+        yield world
+    except ends:
+        if not joined_before:
+            shutdown()
+        raise
+    else:
+        if not joined_before:
+            shutdown()

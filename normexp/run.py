@@ -35,9 +35,9 @@ from .engine.checkpoint import checkpoint_file, load_checkpoint
 from .errors import Diverged, Interrupted, UserError, one_line, storage_error
 from .models import check_buildable
 from .tasks import get_task
-from .tracking import MIRRORS
+from .tracking import LOGGER_CLASSES
 from .tracking.lock import RunLock, live_owner
-from .tracking.provenance import IDENTITY_DEFAULTS, NON_IDENTITY_KEYS, config_hash, seed_everything
+from .tracking.provenance import IDENTITY_DEFAULTS, NON_IDENTITY_KEYS, config_hash, flatten, seed_everything
 from .tracking.records import (
     DONE,
     MetricsMirror,
@@ -62,7 +62,7 @@ def build_mirrors(cfg: DictConfig, run_dir: Path, config: dict[str, Any]) -> lis
     record; imported only when used."""
     mirrors = []
     for name, settings in (cfg.get("logger") or {}).items():
-        module, cls = MIRRORS[name]
+        module, cls = LOGGER_CLASSES[name]
         mirror = getattr(importlib.import_module(module), cls)
         mirrors.append(mirror(settings, run_dir, config, name=display_name(config), tags=run_tags(config)))
     return mirrors
@@ -80,18 +80,10 @@ class Start:
     summary: dict[str, Any] | None = None  # the record in the directory: returned when done, else continued
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
-
-
 def differences(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> str:
     """The identity keys whose values differ, ``key: old -> new``, the first ``limit`` of them."""
-    a, b = ({**IDENTITY_DEFAULTS, **_flat(c)} for c in (old, new))  # a default is what its absence built
+    # a default is what its absence built; an empty mapping sets no key, as its absence
+    a, b = ({**IDENTITY_DEFAULTS, **{k: v for k, v in flatten(c).items() if v != {}}} for c in (old, new))
     ignored = tuple(NON_IDENTITY_KEYS)
     keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
             and not any(k == i or k.startswith(i + ".") for i in ignored)]
@@ -262,39 +254,41 @@ def run(cfg: DictConfig, run_dir: str | Path, find_unfinished_run: bool = False,
     task = get_task(cfg.task.name)
     prepared = task.prepare(cfg)
     check_buildable(prepared.backbone, prepared.norm, dense=task.dense)
-    world = distributed.init_distributed(prepared.trainer.device)
-    config = resolve(prepared)
-    start = lock = refusal = None
-    if world.is_main:
-        try:
-            run_dir = named_after(run_dir, cfg.name, prepared.name)
-            start, lock = claim(run_dir, config, prepared.trainer.resume, find_unfinished_run)
-        except (UserError, OSError) as e:
-            refusal = as_user_error(e)
-    kind, where, why = distributed.broadcast_object(
-        (start.kind, str(start.run_dir), None) if start else (None, None, str(refusal)))
-    if why is not None:
-        raise refusal if refusal is not None else UserError(why)
-    cfg, run_dir = prepared, Path(where)
-    try:
-        if kind == "done":
-            return start.summary if start else _done_summary(run_dir)
+    # left when the run ends (Interrupted, UserError: on every process), unless the entry point joined it
+    with distributed.process_group(prepared.trainer.device, ends=(UserError, Interrupted)) as world:
+        config = resolve(prepared)
+        start = lock = refusal = None
         if world.is_main:
-            if on_start is not None:
-                on_start(run_dir)
-            for path in remove_stale_temporaries(run_dir):
-                log.info("removed %s (left by a process killed while writing it)", path.name)
-        seed_everything(cfg.seed + world.rank)  # every process its own augmentation; DDP shares process 0's
-        mirrors = build_mirrors(cfg, run_dir, config) if world.is_main else []
+            try:
+                run_dir = named_after(run_dir, cfg.name, prepared.name)
+                start, lock = claim(run_dir, config, prepared.trainer.resume, find_unfinished_run)
+            except (UserError, OSError) as e:
+                refusal = as_user_error(e)
+        kind, where, why = distributed.broadcast_object(
+            (start.kind, str(start.run_dir), None) if start else (None, None, str(refusal)))
+        if why is not None:
+            raise refusal if refusal is not None else UserError(why)
+        cfg, run_dir = prepared, Path(where)
         try:
-            record = RunRecord(run_dir, config, mirrors, writes=world.is_main, rows=start and start.rows,
-                               resume_state=start and start.state, previous=start and start.summary)
-        except OSError as e:
-            raise as_user_error(e) from e
-        return _run_task(task, cfg, record)
-    finally:
-        if lock is not None:
-            lock.release()
+            if kind == "done":
+                return start.summary if start else _done_summary(run_dir)
+            if world.is_main:
+                if on_start is not None:
+                    on_start(run_dir)
+                for path in remove_stale_temporaries(run_dir):
+                    log.info("removed %s (left by a process killed while writing it)", path.name)
+            # every process its own augmentation; DDP shares process 0's
+            seed_everything(cfg.seed + world.rank)
+            mirrors = build_mirrors(cfg, run_dir, config) if world.is_main else []
+            try:
+                record = RunRecord(run_dir, config, mirrors, writes=world.is_main, rows=start and start.rows,
+                                   resume_state=start and start.state, previous=start and start.summary)
+            except OSError as e:
+                raise as_user_error(e) from e
+            return _run_task(task, cfg, record)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _done_summary(run_dir: Path) -> dict[str, Any]:

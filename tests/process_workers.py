@@ -23,3 +23,29 @@ def dino_center_of(rank: int, world: int, port: int, outputs: np.ndarray, result
     loss.update_center(torch.from_numpy(np.array_split(outputs, world)[rank]))
     if rank == 0:
         np.save(result, loss.center.numpy())
+
+
+def process_group_states(rank: int, world: int, port: int, result: str) -> None:
+    """Whether this process is in the group inside ``distributed.process_group``, after it (the block joined
+    it), after a block ended by one of its ``ends``, and after a block whose group was joined before it;
+    process 0 saves them to ``result``."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from normexp import distributed
+
+    states = []
+    with distributed.process_group("cpu") as info:
+        states.append(distributed.joined() and info.world_size == world)
+    states.append(distributed.joined())
+    try:
+        with distributed.process_group("cpu", ends=(KeyError,)):
+            raise KeyError("a run's end")
+    except KeyError:
+        states.append(distributed.joined())
+    distributed.init_distributed("cpu")
+    with distributed.process_group("cpu"):
+        pass
+    states.append(distributed.joined())
+    distributed.shutdown()
+    if rank == 0:
+        np.save(result, np.array(states))

@@ -1,5 +1,6 @@
 """The package's layers: every import inside normexp points down (or stays inside its own unit), so each
-layer can be read, tested and replaced without the ones above it. The README's Layout section draws them."""
+layer can be read, tested and replaced without the ones above it; and no module imports itself through
+others (no import circles, inside a unit either). The README's Layout section draws the layers."""
 
 from __future__ import annotations
 
@@ -46,6 +47,63 @@ def imports(path, module: str) -> set[str]:
     return found
 
 
+def modules(root=ROOT) -> dict[str, object]:
+    """Every module of the normexp tree under ``root``, by dotted name (a package by its own name)."""
+    return {".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): path
+            for path in sorted((root / "normexp").rglob("*.py"))}
+
+
+def import_graph(root=ROOT) -> dict[str, set[str]]:
+    """module -> the normexp modules it imports, at module level, inside functions or for type checking
+    only (``from .x import name`` is an import of ``.x``; a name from a package, of the package)."""
+    found = modules(root)
+
+    def module_of(target: str) -> str:
+        while target not in found:
+            target = target.rsplit(".", 1)[0]
+        return target
+
+    return {module: {module_of(target) for target in imports(path, module)} - {module}
+            for module, path in found.items()}
+
+
+def import_cycles(root=ROOT) -> list[list[str]]:
+    """The import circles among normexp modules: each strongly connected part of :func:`import_graph` with
+    more than one module, sorted (Tarjan's algorithm)."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                cycles.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
 def upward_imports(root=ROOT) -> list[str]:
     """Every import of the normexp tree under ``root`` that points to its own layer or one above."""
     bad = []
@@ -79,3 +137,17 @@ def test_an_upward_import_is_found(tmp_path):
         f.write("\nfrom ..engine import trainer\n")
     assert upward_imports(tmp_path) == [
         "normexp.data.loaders -> normexp.engine (data, layer 2 -> engine, layer 3)"]
+
+
+def test_no_import_cycles():
+    assert import_cycles() == []
+
+
+def test_an_import_cycle_is_found(tmp_path):
+    # the check itself, on a copy of the tree whose batch helpers import the trainer (same layer,
+    # so only the cycle check sees it); a type-checking-only import counts too
+    shutil.copytree(ROOT / "normexp", tmp_path / "normexp", ignore=shutil.ignore_patterns("__pycache__"))
+    with (tmp_path / "normexp" / "engine" / "batches.py").open("a") as f:
+        f.write("\nif TYPE_CHECKING:\n    from .trainer import Trainer\n")
+    assert upward_imports(tmp_path) == []
+    assert import_cycles(tmp_path) == [["normexp.engine.batches", "normexp.engine.trainer"]]

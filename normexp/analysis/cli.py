@@ -44,14 +44,14 @@ from ..errors import UserError, one_line, storage_error
 from ..tracking.lock import pid_exists
 from .core import ANALYSES, MAX_IO_SLOTS, RunAnalysis, analyse, load_run
 from .render import (
-    Shown,
-    _write_json,
+    LabelledRun,
     alpha_history_rows,
     io_point_rows,
     plot_alpha,
     plot_attention,
     plot_io,
     plot_tokens,
+    write_json,
     write_rows,
 )
 
@@ -69,7 +69,7 @@ def parse_figures(text: str | None) -> list[str]:
 def write_analysis(analysis: RunAnalysis, out: Path, label: str | None = None) -> list[str]:
     """Render every part of ``analysis`` into ``out`` (an existing directory); return the files written."""
     run = analysis.run
-    shown = Shown(label or f"{run.backbone} / {run.norm}", analysis)
+    shown = LabelledRun(label or f"{run.backbone} / {run.norm}", analysis)
     files: list[str] = []
 
     def note(path: Path) -> None:
@@ -162,7 +162,7 @@ def analyze(run_dir: str | Path, figures: list[str], images: int, seed: int, ema
     try:
         files = write_analysis(analysis, tmp)
         summary = run_summary(analysis, figures, seed, files + ["summary.json"])
-        _write_json(tmp / "summary.json", summary)
+        write_json(tmp / "summary.json", summary)
         old = None
         if final.exists():
             old = _temporary(final.parent, "old")

@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +40,10 @@ from ..tables.plan import PlannedRun, TablePlan, hydra_composer, plan_table
 from ..tables.render import RESULTS_DIR, write_index
 from ..tables.spec import Metric, TableSpec, list_scales, load_scale, searchpath_of
 from ..tables.sweep import print_plan
+from ..tracking.records import utc_now
 from .core import ANALYSES, RunAnalysis, analyse, load_run, select_slots
 from .render import (
-    Shown,
+    LabelledRun,
     alpha_history_rows,
     io_point_rows,
     plot_alpha,
@@ -236,7 +236,7 @@ def render_stability(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], o
                        title=f"{spec.title} [{plan.scale.name} scale]", caption=caption)
         record = {"figure": spec.id, "title": spec.title, "source": spec.source, "mirrors": spec.mirrors,
                   "analysis": spec.analysis, "scale": plan.scale.name, "caption": caption,
-                  "rendered_at": _now(), "runs": [_run_entry(r) for r in runs], "numbers": cells}
+                  "rendered_at": utc_now(), "runs": [_run_entry(r) for r in runs], "numbers": cells}
         (Path(tmp) / f"{spec.id}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
         write_rows(Path(tmp) / f"{spec.id}.csv", cells)
         for path in sorted(Path(tmp).iterdir()):
@@ -250,7 +250,7 @@ def render_figure(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_
     """Draw the figure and write its numbers: into a temporary directory, then moved into ``out_dir``."""
     if spec.analysis == "stability":
         return render_stability(spec, plan, runs, out_dir)
-    shown = [Shown(r.label, r.analysis) for r in runs if r.analysis is not None]
+    shown = [LabelledRun(r.label, r.analysis) for r in runs if r.analysis is not None]
     problems = [r.problem for r in runs if r.problem]
     if not shown:
         raise UserError(f"figure {spec.id}: no run has a trained model to analyse ({'; '.join(problems)})")
@@ -286,7 +286,7 @@ def render_figure(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_
             extra[".csv"] = numbers
         record = {"figure": spec.id, "title": spec.title, "source": spec.source, "mirrors": spec.mirrors,
                   "analysis": spec.analysis, "scale": plan.scale.name, "caption": caption,
-                  "rendered_at": _now(), "runs": [_run_entry(r) for r in runs], "notes": notes,
+                  "rendered_at": utc_now(), "runs": [_run_entry(r) for r in runs], "notes": notes,
                   "numbers": numbers}
         (Path(tmp) / f"{spec.id}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
         for suffix, rows in extra.items():
@@ -314,15 +314,11 @@ def _run_entry(row: FigureRun) -> dict[str, Any]:
     return entry
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
 def update_index(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_dir: Path) -> None:
     """``index.json`` beside the figures, and the figures section of ``results/README.md`` built from it."""
     shown = sum(r.analysis is not None or (spec.analysis == "stability" and not r.problem) for r in runs)
     entry = {"title": spec.title, "mirrors": spec.mirrors, "scale": plan.scale.name,
-             "runs": f"{shown} of {len(runs)}", "rendered_at": _now()}
+             "runs": f"{shown} of {len(runs)}", "rendered_at": utc_now()}
     write_index(out_dir, spec.id, entry, "Figures", (FIGURES_BEGIN, FIGURES_END),
                 "| figure | what | mirrors | scale | runs shown | rendered |",
                 lambda fig_id, e: (f"| [{fig_id}](figures/{fig_id}.png) | {e['title']} | {e['mirrors']} | "

@@ -1,6 +1,6 @@
 """Draw the analyses (matplotlib, Agg) and write the numbers behind each picture beside it.
 
-Every function takes a list of :class:`Shown` runs -- one for ``normexp analyze``, several side by side for a
+Every function takes a list of :class:`LabelledRun` -- one for ``normexp analyze``, several side by side for a
 figure spec -- so a run's analysis and a paper figure are drawn by the same code. Each normalizer has its
 colour from :func:`normexp.plotting.norm_color` in every figure.
 """
@@ -24,7 +24,7 @@ DPI = 130
 
 
 @dataclass
-class Shown:
+class LabelledRun:
     """A run as a figure shows it: its label (e.g. "LN") and its analysis."""
 
     label: str
@@ -79,11 +79,13 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=1, default=_jsonable) + "\n")
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, default=_json_default) + "\n")
 
 
-def _jsonable(value: Any) -> Any:
+def _json_default(value: Any) -> Any:
+    """``json.dumps``' default for what it cannot write: numpy numbers and arrays as Python ones (values as
+    they are, NaN included), anything else as its str."""
     if isinstance(value, (np.floating, np.integer)):
         return value.item()
     if isinstance(value, np.ndarray):
@@ -100,7 +102,7 @@ SQUASH_FN = {"tanh": np.tanh, "hardtanh": lambda z: np.clip(z, -1, 1),
              "sigmoid": lambda z: 1 / (1 + np.exp(-z)), "identity": lambda z: z}
 
 
-def _io_panel(ax: Any, shown: Shown, slot: str, color_by: str) -> dict[str, Any]:
+def _io_panel(ax: Any, shown: LabelledRun, slot: str, color_by: str) -> dict[str, Any]:
     analysis = shown.analysis
     sample = analysis.io[slot]  # type: ignore[index]
     numbers = next(n for n in analysis.io_numbers if n["slot"] == slot)  # type: ignore[union-attr]
@@ -147,7 +149,7 @@ def _grid(nrow: int, ncol: int, panel: tuple[float, float], margins: tuple[float
     return fig, axes
 
 
-def plot_io(runs: list[Shown], slots: list[list[str]], path: Path, color_by: str = "token",
+def plot_io(runs: list[LabelledRun], slots: list[list[str]], path: Path, color_by: str = "token",
             title: str = "", caption: str = "") -> list[dict[str, Any]]:
     """One row of panels per run (one panel per slot; a single run's panels wrap into a grid)."""
     rows = []
@@ -188,7 +190,7 @@ def plot_io(runs: list[Shown], slots: list[list[str]], path: Path, color_by: str
     return rows
 
 
-def io_point_rows(runs: list[Shown], slots: list[list[str]],
+def io_point_rows(runs: list[LabelledRun], slots: list[list[str]],
                   color_by: str | None = None) -> list[dict[str, Any]]:
     """Every plotted point: run, slot, which set (uniform / token / channel), where it sits, x, y, y_pre
     (``color_by``: only the highlighted set drawn in that mode; None: both)."""
@@ -208,7 +210,8 @@ def io_point_rows(runs: list[Shown], slots: list[list[str]],
 
 
 # ---------------------------------------------------------------- alpha
-def plot_alpha(runs: list[Shown], path: Path, title: str = "", caption: str = "") -> list[dict[str, Any]]:
+def plot_alpha(runs: list[LabelledRun], path: Path, title: str = "", caption: str = ""
+               ) -> list[dict[str, Any]]:
     """Left: alpha (solid) and 1/std (dashed) over the epochs for the first, middle and last DyT layer.
     Right: every layer's final alpha against 1/std of its input, lighter to darker with depth (DyT Fig. 8)."""
     plt = _plt()
@@ -264,7 +267,7 @@ def plot_alpha(runs: list[Shown], path: Path, title: str = "", caption: str = ""
     return rows
 
 
-def alpha_history_rows(runs: list[Shown]) -> list[dict[str, Any]]:
+def alpha_history_rows(runs: list[LabelledRun]) -> list[dict[str, Any]]:
     return [{"run": shown.label, "slot": slot, "epoch": epoch, "alpha": alpha, "input_std": std,
              "inverse_std": 1 / std if std else None}
             for shown in runs for slot, hist in (shown.analysis.alpha_history or {}).items()
@@ -272,7 +275,8 @@ def alpha_history_rows(runs: list[Shown]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- tokens
-def plot_tokens(runs: list[Shown], path: Path, title: str = "", caption: str = "") -> list[dict[str, Any]]:
+def plot_tokens(runs: list[LabelledRun], path: Path, title: str = "", caption: str = ""
+                ) -> list[dict[str, Any]]:
     """Rows: runs; columns: the image, then each head's token magnitudes at the slot input, then output,
     each divided by its own mean over the tokens (1 = an average token), on one colour scale."""
     plt = _plt()
@@ -319,7 +323,8 @@ def plot_tokens(runs: list[Shown], path: Path, title: str = "", caption: str = "
 
 
 # ---------------------------------------------------------------- attention
-def plot_attention(runs: list[Shown], path: Path, title: str = "", caption: str = "") -> list[dict[str, Any]]:
+def plot_attention(runs: list[LabelledRun], path: Path, title: str = "", caption: str = ""
+                   ) -> list[dict[str, Any]]:
     """One panel per run: each attention layer's heads as dots (mean attention distance in px), the mean
     over heads as a bar, and what uniform attention over the layer's grid would give (grey dash)."""
     plt = _plt()
@@ -369,7 +374,7 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     if path.suffix == ".csv":
         _write_csv(path, rows)
     else:
-        _write_json(path, rows)
+        write_json(path, rows)
 
 
 

@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 from ..norms.placement import SLOT_TYPES, slot_shape
-from ..norms.registry import _REGISTRY
+from ..norms.registry import get_norm_class, list_norms
 
 
 def _slot_types() -> tuple[type[nn.Module], ...]:
-    return (*SLOT_TYPES, *_REGISTRY.values())  # registered late (a plugin's normalizer) included
+    # registered late (a plugin's normalizer) included
+    return (*SLOT_TYPES, *(get_norm_class(name) for name in list_norms()))
 
 
 def norm_slot_names(model: nn.Module) -> list[str]:

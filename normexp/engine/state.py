@@ -1,16 +1,18 @@
 """The trainer's state in a checkpoint: what a killed run needs to go on as if it had not been killed.
 
-A checkpoint holds the model, EMA, optimizer, scheduler, scaler, the position in the epoch (epoch, batch,
+``Trainer.state_dict()`` / ``Trainer.load_state_dict()`` say what the trainer holds; this module has what
+they use beyond the trainer: RNG states, writing and finding the checkpoint, each process's part. A
+checkpoint holds the model, EMA, optimizer, scheduler, scaler, the position in the epoch (epoch, batch,
 update), the metrics so far, the task's own state (``Trainer.task_state``) and, from every process by rank,
 its RNG states, its share of the epoch's loss and its divergence window -- so ``trainer.resume=auto``
-continues mid-epoch exactly. The file format (atomic
-writes, CRC-checked safe reads) is ``checkpoint.py``'s.
+continues mid-epoch exactly. The file format (atomic writes, CRC-checked safe reads) is ``checkpoint.py``'s.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,11 +20,10 @@ import torch
 
 from .. import distributed
 from ..errors import UserError
-from ..tracking.provenance import config_hash
-from .checkpoint import checkpoint_file, load_checkpoint, load_model_state, save_checkpoint
+from .checkpoint import checkpoint_file, load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..tracking.records import RunRecord
 
 log = logging.getLogger(__name__)
 
@@ -47,77 +48,41 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss_next))
 
 
-def training_state(trainer: Trainer) -> dict[str, Any]:
-    """Everything :func:`resume_training` restores (a collective: every process contributes its part)."""
-    return {
-        "run_id": config_hash(trainer.record.config),
-        "epoch": trainer.epoch, "batch": trainer.batch, "update": trainer.update,
-        "model": trainer.module.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
-        "scheduler": trainer.scheduler.state_dict(),
-        "ema": trainer.ema.module.state_dict() if trainer.ema is not None else None,
-        "scaler": trainer.precision.scaler.state_dict() if trainer.precision.scaler is not None else None,
-        "metrics": trainer.metrics,
-        "task": trainer.task_state(),
-        "train_images": trainer.train_images, "train_seconds": trainer.train_seconds,
-        "config": trainer.record.config,
-        # what each process holds alone, by rank: RNG states, its share of the epoch's loss, the window
-        "processes": distributed.all_gather_objects({
-            "rng": rng_state(), "epoch_loss": trainer.epoch_loss.cpu(), "epoch_seen": trainer.epoch_seen,
-            "window": trainer.loss_window.state_dict()}),
-    }
-
-
-def save_training_state(trainer: Trainer) -> None:
-    """Checkpoint (process 0 writes; every process contributes its RNG state)."""
-    state = training_state(trainer)
-    if trainer.dist.is_main:
-        save_checkpoint(trainer.record.checkpoint_path, state)
+def save_training_state(path: Path, state: dict[str, Any], is_main: bool) -> None:
+    """Checkpoint ``state`` (``Trainer.state_dict()``, which every process took part in): process 0 writes."""
+    if is_main:
+        save_checkpoint(path, state)
     distributed.barrier()
 
 
-def resume_training(trainer: Trainer, source: str | None) -> None:
-    """``auto``: the run directory's checkpoint if there is one; a path: that run's or file's; None: nothing.
+def read_resume_state(record: RunRecord, source: str | None) -> tuple[dict[str, Any], str] | None:
+    """The checkpoint to resume from and where it came from, or None: ``auto``: the run directory's if there
+    is one; a path: that run's or file's; None: nothing.
 
     Process 0 continues from the checkpoint ``normexp.run`` already read and verified (the record's
     ``resume_state``) when it decided the start; the other processes read the same file."""
-    record = trainer.record
     state = record.resume_state
     if state is None:
         if not source:
-            return
+            return None
         if source == "auto":
             if not checkpoint_file(record.dir).is_file():
-                return
+                return None
             source = str(record.dir)
         state = load_checkpoint(source)
-    source = str(record.dir if source == "auto" else source)
-    load_model_state(trainer.module, state["model"], source)
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    if trainer.ema is not None and state["ema"] is not None:
-        trainer.ema.module.load_state_dict(state["ema"])
-    if trainer.precision.scaler is not None and state["scaler"] is not None:
-        trainer.precision.scaler.load_state_dict(state["scaler"])
-    trainer.epoch, trainer.batch, trainer.update = state["epoch"], state["batch"], state["update"]
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    # the schedule comes from the current config (as timm does), so a resumed run may extend epochs;
-    # per epoch, fit() sets the epoch's lr before it continues
-    if trainer.cfg.sched_on == "update":
-        trainer.scheduler.step_update(trainer.update)
-    trainer.metrics = state["metrics"]
-    trainer.load_task_state(state.get("task"))
-    trainer.train_images, trainer.train_seconds = state["train_images"], state["train_seconds"]
-    processes, world_size = state["processes"], trainer.dist.world_size
+    return state, str(record.dir if source == "auto" else source)
+
+
+def this_process(processes: list[dict[str, Any]], rank: int, world_size: int, mid_epoch: bool,
+                 source: str) -> dict[str, Any] | None:
+    """This process's part of a checkpoint's ``processes`` (RNG states, epoch loss, window), or None when
+    the checkpoint came from another number of processes (then the RNG streams restart; mid-epoch that is an
+    error: the epoch's shards would differ)."""
     if len(processes) == world_size:
-        mine = processes[trainer.dist.rank]
-        set_rng_state(mine["rng"])
-        trainer.epoch_loss = mine["epoch_loss"].to(trainer.device)
-        trainer.epoch_seen = mine["epoch_seen"]
-        trainer.loss_window.load_state_dict(mine["window"])
-    elif trainer.batch:
+        return processes[rank]
+    if mid_epoch:
         raise UserError(f"checkpoint '{source}' stopped mid-epoch with {len(processes)} processes: "
                         f"resume it with {len(processes)} (this job has {world_size})")
-    else:
-        log.warning("checkpoint from %d processes, resumed on %d: RNG streams restart", len(processes),
-                    world_size)
-    log.info("resumed from %s at epoch %d, update %d", source, trainer.epoch, trainer.update)
+    log.warning("checkpoint from %d processes, resumed on %d: RNG streams restart", len(processes),
+                world_size)
+    return None

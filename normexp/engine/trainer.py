@@ -37,14 +37,16 @@ from .. import distributed
 from ..data.images import unreadable_files
 from ..data.loaders import set_epoch
 from ..errors import UserError
+from ..tracking.provenance import config_hash
 from ..tracking.records import RunRecord
 from .alpha_probe import alpha_probe
 from .batches import accumulation_steps, batch_size_of, to_device
+from .checkpoint import load_model_state
 from .divergence import LossWindow
 from .evaluate import show_progress
 from .precision import Precision, resolve_device
 from .signals import StopSignals
-from .state import resume_training, save_training_state
+from .state import read_resume_state, rng_state, save_training_state, set_rng_state, this_process
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,57 @@ class Trainer:
         base = self.cfg.lr_base_size
         return lr * self.global_batch / base if base else lr
 
+    # ---------------------------------------------------------------- checkpoint (``state.py``)
+    def state_dict(self) -> dict[str, Any]:
+        """Everything :meth:`load_state_dict` restores (a collective: every process contributes its part)."""
+        return {
+            "run_id": config_hash(self.record.config),
+            "epoch": self.epoch, "batch": self.batch, "update": self.update,
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "ema": self.ema.module.state_dict() if self.ema is not None else None,
+            "scaler": self.precision.scaler.state_dict() if self.precision.scaler is not None else None,
+            "metrics": self.metrics,
+            "task": self.task_state(),
+            "train_images": self.train_images, "train_seconds": self.train_seconds,
+            "config": self.record.config,
+            # what each process holds alone, by rank: RNG states, its share of the epoch's loss, the window
+            "processes": distributed.all_gather_objects({
+                "rng": rng_state(), "epoch_loss": self.epoch_loss.cpu(), "epoch_seen": self.epoch_seen,
+                "window": self.loss_window.state_dict()}),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
+        """Continue from ``state`` (:meth:`state_dict` of a run, read from ``source``)."""
+        load_model_state(self.module, state["model"], source)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.module.load_state_dict(state["ema"])
+        if self.precision.scaler is not None and state["scaler"] is not None:
+            self.precision.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.batch, self.update = state["epoch"], state["batch"], state["update"]
+        self.scheduler.load_state_dict(state["scheduler"])
+        # the schedule comes from the current config (as timm does), so a resumed run may extend epochs;
+        # per epoch, fit() sets the epoch's lr before it continues
+        if self.cfg.sched_on == "update":
+            self.scheduler.step_update(self.update)
+        self.metrics = state["metrics"]
+        self.load_task_state(state.get("task"))
+        self.train_images, self.train_seconds = state["train_images"], state["train_seconds"]
+        mine = this_process(state["processes"], self.dist.rank, self.dist.world_size,
+                            mid_epoch=bool(self.batch), source=source)
+        if mine is not None:
+            set_rng_state(mine["rng"])
+            self.epoch_loss = mine["epoch_loss"].to(self.device)
+            self.epoch_seen = mine["epoch_seen"]
+            self.loss_window.load_state_dict(mine["window"])
+        log.info("resumed from %s at epoch %d, update %d", source, self.epoch, self.update)
+
+    def save_state(self) -> None:
+        """Checkpoint (process 0 writes; every process contributes its RNG state)."""
+        save_training_state(self.record.checkpoint_path, self.state_dict(), self.dist.is_main)
+
     # ---------------------------------------------------------------- loop
     def fit(self) -> dict[str, Any]:
         """Train and evaluate; returns ``{"final": last evaluation, "best": best evaluation}``.
@@ -155,7 +208,9 @@ class Trainer:
         on a stop signal :class:`Interrupted` propagates after the checkpoint is written. Either way the
         record counts the image files the loaders skipped (``data.on_bad_image=skip``).
         """
-        resume_training(self, self.cfg.resume)  # here, once a task's trainer has set up its own state
+        resume = read_resume_state(self.record, self.cfg.resume)
+        if resume is not None:  # here, once a task's trainer has set up its own state
+            self.load_state_dict(*resume)
         try:
             with self.stop:
                 while self.epoch < self.cfg.epochs:
@@ -188,10 +243,10 @@ class Trainer:
         self.record.log(row)
         self.epoch, self.batch = epoch + 1, 0
         if self.cfg.checkpoint:
-            save_training_state(self)
+            self.save_state()
         if self.epoch < self.cfg.epochs and self.stop.requested(self.update, every_update=True):
             if not self.cfg.checkpoint:
-                save_training_state(self)
+                self.save_state()
             raise self.stop.interrupted(self.update)
 
     def train_one_epoch(self, epoch: int) -> dict[str, float]:
@@ -225,10 +280,10 @@ class Trainer:
                 self.log_window()
             if self.cfg.checkpoint_interval and self.update % self.cfg.checkpoint_interval == 0:
                 self.check_divergence()
-                save_training_state(self)
+                self.save_state()
             if self.stop.requested(self.update):
                 self.check_divergence()
-                save_training_state(self)
+                self.save_state()
                 raise self.stop.interrupted(self.update)
         self.check_divergence()
         if self.device.type == "cuda":

@@ -204,4 +204,5 @@ def vit_base_star(**kwargs: Any) -> ViT:
 def vit_micro_star(**kwargs: Any) -> ViT:
     """``vit_micro`` built as the DTN code builds its ViTs (its config's ``dtn_blocks`` is 5 of 6): the CPU
     member standing in for the ``*_star`` and DTN-code ViTs at smoke scale."""
-    return _dtn_code_vit(dict(img_size=16, patch_size=2, embed_dim=96, depth=6, num_heads=4), **kwargs)
+    return _dtn_code_vit(dict(img_size=16, patch_size=2, embed_dim=96, depth=6, num_heads=4, dtn_blocks=5),
+                         **kwargs)

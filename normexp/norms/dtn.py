@@ -20,7 +20,8 @@ never guessed from T. The logits are a row term plus a column term, so P^h is th
 small softmaxes (:meth:`DTN.position_factors`): ``separable=True`` applies them, ``False`` the dense matrix,
 as the official code does -- the same numbers. When only some grid tokens are present (``layout.positions``:
 a masked autoencoder's visible tokens), P^h is taken over those tokens, from their grid offsets, per sample
-(dense, unpooled). How it is computed: ``normexp.norms.kernels.dtn``.
+(dense, unpooled). The steps: :meth:`DTN.normalize`; their whole-tensor kernels and the fused path:
+``normexp.norms.kernels.dtn``.
 
 ``pos_init="random"`` (default) starts ``pos_proj`` as the released models train it: the module applies a
 ConViT-style local init, but ``models/vit_norm_mix.py`` and ``models/pvt_norm.py`` then re-initialise every
@@ -39,8 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .functional import check_data_format, output_dtype
-from .kernels import KERNEL_MODES, check_kernels
-from .kernels.dtn import normalize, normalize_subset
+from .kernels import KERNEL_MODES, check_kernels, resolve_kernels
+from .kernels.dtn import grid_moments, ln_prefix, mix, nearest_index, pool_grid, prescale_stats
 from .layout import TokenLayout
 from .registry import register_norm
 
@@ -181,6 +182,100 @@ class DTN(nn.Module):
         logit_y = a[:, 1, None, None] * dy + a[:, 2, None, None] * dy * dy
         return logit_y.softmax(dim=1), logit_x.softmax(dim=1)
 
+    # ------------------------------------------------------------------ steps (0)-(4)
+    def normalize(self, x: torch.Tensor, grid: tuple[int, int], prefix: int,
+                  map_size: tuple[int, int] | None = None) -> torch.Tensor:
+        """x: (B, N, C) with ``prefix`` leading non-grid tokens and H*W grid tokens in raster order. Steps
+        (0)-(1) and (3)-(4) take the path ``kernels`` resolves to (``normexp.norms.kernels.dtn``)."""
+        b, n, c = x.shape
+        if c != self.dim:
+            raise ValueError(f"DTN built for {self.dim} channels got {c}")
+        nh, d = self.num_heads, self.head_dim
+        gh, gw = grid
+        ps = self.pool_size
+        pooled = ps is not None and (gh > ps or gw > ps)
+        mode = resolve_kernels(self.kernels, x, ("dtn", nh, grid, ps, self.separable, self.only_var))
+
+        # (0) per-token, per-head RMS pre-scaling; (1) LN statistics over all C channels (unbiased variance,
+        # as the official torch.var call); unpooled grids also get their moments for step (2) here
+        moments_grid = None if pooled else grid
+        xs, mu_ln, var_ln, *moments = prescale_stats(x, nh, self.eps, prefix, moments_grid, mode)
+
+        # (2) inter-token statistics, computed in the layout (H, h, w, B, d): each head's P then contracts
+        # leading spatial dims, so every matmul is one large GEMM per head (no batches of tiny matrices).
+        if pooled:
+            size = (min(gh, ps), min(gw, ps))
+            moments = grid_moments(pool_grid(xs[:, prefix:].view(b, gh, gw, c), size).view(b, *size, nh, d))
+        else:
+            moments = moments[0]
+        # separable P: nearest upsampling folds into the factors (a gather of target columns), so the
+        # statistics come out at full resolution and var_in = E_P[z^2] - mu_in^2 is formed in the mix kernel
+        from_moments = not pooled or self.separable
+        st = self.apply_position(moments, grid if from_moments else None)  # mu_in and E_P[z^2]
+        if from_moments:
+            stats = st.view(nh, gh, gw, 2, b, d).permute(3, 4, 1, 2, 0, 5)
+        else:  # dense P at the pooled size, then var_in and nearest upsampling (official dtn_pool)
+            mu_in, second = st.view(nh, *size, 2, b, d).unbind(3)
+            var_in = torch.addcmul(second, mu_in, mu_in, value=-1.0).clamp_min(0)
+            # nearest upsampling of both statistics in one call; (N, h', w', d) viewed channels-last
+            st = torch.stack((mu_in, var_in)).permute(0, 1, 4, 2, 3, 5).reshape(2 * nh * b, *size, d)
+            st = F.interpolate(st.permute(0, 3, 1, 2), size=(gh, gw), mode="nearest").permute(0, 2, 3, 1)
+            stats = st.reshape(2, nh, b, gh, gw, d).permute(0, 2, 3, 4, 1, 5)
+        # stats: (2, B, h, w, H, d) views
+
+        # (3) mix per head and (4) standardise + affine
+        # parameters in the statistics' dtype (a bfloat16 model computes them in float32, see forward)
+        lam_mu, lam_var = (None if t is None else t.to(x.dtype) for t in self.mixing_weights())
+        weight, bias = self.weight.to(x.dtype), self.bias.to(x.dtype)
+        return mix(xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight, bias, self.eps, prefix, from_moments,
+                   map_size, mode)
+
+    def normalize_subset(self, x: torch.Tensor, positions: torch.Tensor, prefix: int) -> torch.Tensor:
+        """x: (B, N, C) with ``prefix`` leading non-grid tokens, then the grid tokens at ``positions`` (B, M)
+        of ``layout.grid``: steps (0)-(4) with P^h over the tokens present, from their offsets (plain ops;
+        autograd derives the backward)."""
+        b, n, c = x.shape
+        nh, d = self.num_heads, self.head_dim
+        xs, mu_ln, var_ln = prescale_stats(x, nh, self.eps, prefix, None, "autograd")
+        width = self.layout.grid[1]
+        rows, cols = (positions // width).to(x.dtype), (positions % width).to(x.dtype)
+        dx, dy = cols[:, None, :] - cols[:, :, None], rows[:, None, :] - rows[:, :, None]  # [b, p, q]: q - p
+        rel = torch.stack((dx, dy, dx * dx + dy * dy), dim=-1)
+        weight, bias = self.pos_proj.weight.to(x.dtype), self.pos_proj.bias.to(x.dtype)
+        p = F.linear(rel, weight, bias).permute(0, 3, 1, 2).softmax(dim=2)  # [b, H, p, q], sums over p are 1
+        z = xs[:, prefix:].view(b, n - prefix, nh, d)
+        mu_in = torch.einsum("bhpq,bphd->bqhd", p, z)
+        var_in = (torch.einsum("bhpq,bphd->bqhd", p, z * z) - mu_in * mu_in).clamp_min(0)
+        lam_mu, lam_var = (None if t is None else t.to(x.dtype) for t in self.mixing_weights())
+        mu_g, var_g = mu_ln[:, prefix:, None, None], var_ln[:, prefix:, None, None]
+        mu = mu_g if lam_mu is None else mu_in + lam_mu.view(nh, 1) * (mu_g - mu_in)
+        rstd = torch.rsqrt(var_in + lam_var.view(nh, 1) * (var_g - var_in) + self.eps)
+        grid_out = ((z - mu) * rstd).reshape(b, n - prefix, c)
+        prefix_out = ln_prefix(xs[:, :prefix], mu_ln[:, :prefix], var_ln[:, :prefix], self.eps)
+        return torch.cat((prefix_out, grid_out), dim=1) * self.weight.to(x.dtype) + self.bias.to(x.dtype)
+
+    def apply_position(self, s: torch.Tensor, target_grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """out[h, q] = sum_p P^h[p, up(q)] s[h, p] for s of shape (H, h', w', M, d), tokens p = (row, col).
+
+        ``target_grid`` (separable only): targets q on that finer grid, each reading the pooled target
+        ``up(q)`` that nearest upsampling would copy to it; default: the targets are the grid of s.
+        """
+        nh, h, w, m, d = s.shape
+        if self.separable:
+            py, px = self.position_factors((h, w), s.dtype)
+            if target_grid is not None and target_grid != (h, w):
+                py = py[:, :, nearest_index(h, target_grid[0], py.device)]
+                px = px[:, :, nearest_index(w, target_grid[1], px.device)]
+            # contract the source rows, then the source columns; the target index takes the source's place
+            s = torch.bmm(py.transpose(1, 2), s.reshape(nh, h, w * m * d))
+            s = torch.matmul(px.transpose(1, 2).unsqueeze(1), s.view(nh, py.shape[2], w, m * d))
+            return s.view(nh, py.shape[2], px.shape[2], m, d)
+        if target_grid is not None and target_grid != (h, w):
+            raise ValueError("the dense position matrix takes targets on the grid of its input")
+        p = self.position_matrix((h, w), s.dtype)
+        s = torch.bmm(p.transpose(1, 2), s.reshape(nh, h * w, m * d))
+        return s.view(nh, h, w, m, d)
+
     # ------------------------------------------------------------------ forward
     def _grid_of_tokens(self, num_tokens: int) -> tuple[tuple[int, int], int]:
         grid = None if self.layout is None else self.layout.grid
@@ -216,18 +311,18 @@ class DTN(nn.Module):
                     raise ValueError(f"channels_first DTN expects (B, C, H, W), got {tuple(x.shape)}")
                 b, c, h, w = x.shape
                 # (B, H*W, C) views of the input and of the (B, C, H, W) output: no layout copies
-                y = normalize(self, x.permute(0, 2, 3, 1).reshape(b, h * w, c), (h, w), 0, map_size=(h, w))
+                y = self.normalize(x.permute(0, 2, 3, 1).reshape(b, h * w, c), (h, w), 0, map_size=(h, w))
                 y = y.view(b, h, w, c).permute(0, 3, 1, 2)
             elif x.dim() == 2:  # one pooled token per image (a classifier's fc_norm), as a 1x1 map
-                y = normalize(self, x[:, None], (1, 1), 0)[:, 0]
+                y = self.normalize(x[:, None], (1, 1), 0)[:, 0]
             elif x.dim() == 4:
                 b, h, w, c = x.shape
-                y = normalize(self, x.reshape(b, h * w, c), (h, w), 0).view(b, h, w, c)
+                y = self.normalize(x.reshape(b, h * w, c), (h, w), 0).view(b, h, w, c)
             elif x.dim() == 3 and self.layout is not None and self.layout.positions is not None:
-                y = normalize_subset(self, x, self.layout.positions, self._prefix_of_subset(x.shape[1]))
+                y = self.normalize_subset(x, self.layout.positions, self._prefix_of_subset(x.shape[1]))
             elif x.dim() == 3:
                 grid, prefix = self._grid_of_tokens(x.shape[1])
-                y = normalize(self, x, grid, prefix)
+                y = self.normalize(x, grid, prefix)
             else:
                 raise ValueError(f"DTN expects (B, N, C), (B, H, W, C), (B, C, H, W) or pooled (B, C), "
                                  f"got {tuple(x.shape)}")

@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .provenance import config_hash
+from .provenance import config_hash, flatten
 from .records import (
     DamagedRecord,
     display_name,
@@ -46,16 +46,9 @@ def tracking_uri(setting: str | None = None, root: Path | None = None) -> str:
         f"sqlite:///{((root or output_root()) / 'mlflow' / 'mlflow.db').resolve()}"
 
 
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+def mlflow_params(config: dict[str, Any]) -> dict[str, str]:
     """``{"trainer": {"lr": 1e-3}}`` -> ``{"trainer.lr": "0.001"}`` (MLflow params are strings)."""
-    flat: dict[str, str] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = str(value)[:MAX_PARAM]
-    return flat
+    return {name: str(value)[:MAX_PARAM] for name, value in flatten(config).items()}
 
 
 def numeric_metrics(row: dict[str, Any]) -> dict[str, float]:
@@ -173,7 +166,7 @@ class MlflowMirror:
         self.run_dir, self.artifacts = run_dir, bool(cfg.get("artifacts", True))
         self.run_id = self.store.start(cfg.get("experiment") or "normexp", name,
                                        mlflow_tags(config, run_dir, config_hash(config)))
-        self.store.log_params(self.run_id, flatten(config))
+        self.store.log_params(self.run_id, mlflow_params(config))
         log.info("MLflow run %s in %s", self.run_id, self.store.uri)
 
     def log(self, row: dict[str, Any]) -> None:
@@ -212,7 +205,7 @@ def import_records(records: Iterable[tuple[Path, dict[str, Any], dict[str, Any]]
         experiment = (config.get("table") or {}).get("id") or default_experiment
         tags = mlflow_tags(config, run_dir, summary["run_id"])
         run_id = store.start(experiment, display_name(config), tags, start)
-        store.log_params(run_id, flatten(config))
+        store.log_params(run_id, mlflow_params(config))
         stamp = start or int(time.time() * 1000)
         first = (config.get("table") or {}).get("metric")  # a table's metric: the one its comparison shows
         headline = {k: v for k, v in summary_metrics(summary).items() if k == first}

@@ -81,6 +81,19 @@ def git_state(path: Path | None = None) -> dict[str, Any]:
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"trainer": {"lr": 1e-3, "ema": {}}}`` -> ``{"trainer.lr": 1e-3, "trainer.ema": {}}``: dotted keys
+    for the leaves (an empty mapping is a leaf)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
 def config_hash(config: dict[str, Any]) -> str:
     """Identity of a run: sha256 of its resolved config (seed included), less ``NON_IDENTITY_KEYS`` and the
     ``IDENTITY_DEFAULTS`` keys that hold their default."""

@@ -75,15 +75,18 @@ class MetricsMirror(Protocol):
     def finish(self, summary: dict[str, Any]) -> None: ...
 
 
-def _now() -> str:
+def utc_now() -> str:
+    """Now, as the records write times: ISO 8601 in UTC, to the second."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _jsonable(value: Any) -> Any:
+def _strict_json(value: Any) -> Any:
+    """A logged value in strict JSON: tensors and numpy numbers as Python numbers, a non-finite float as null
+    (NaN) or "inf" / "-inf" (json would write NaN / Infinity, which strict JSON parsers refuse)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None if math.isnan(value) else str(value)
     if hasattr(value, "item"):  # tensors and numpy scalars
-        return _jsonable(value.item())
+        return _strict_json(value.item())
     return value
 
 
@@ -186,7 +189,7 @@ class RunRecord:
         self.mirrors = list(mirrors) if writes else []
         self.resume_state = resume_state
         self.started = time.time()
-        attempts = [*(past_attempts(self.dir, previous) if previous else []), {"started_at": _now(),
+        attempts = [*(past_attempts(self.dir, previous) if previous else []), {"started_at": utc_now(),
                                                                                 "status": "running"}]
         self.summary: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
@@ -222,7 +225,7 @@ class RunRecord:
     def log(self, row: dict[str, Any]) -> None:
         if self._metrics is None:
             return
-        row = {k: _jsonable(v) for k, v in row.items()}
+        row = {k: _strict_json(v) for k, v in row.items()}
         data = memoryview((json.dumps(row) + "\n").encode())
         try:
             while data:  # unbuffered: a failed write leaves at most part of this row, and no buffer
@@ -247,11 +250,11 @@ class RunRecord:
 
     def update(self, **fields: Any) -> None:
         """Add fields to the summary (params, gmacs, metrics...), written at ``finish``."""
-        self.summary.update({k: _jsonable(v) if not isinstance(v, dict) else v for k, v in fields.items()})
+        self.summary.update({k: _strict_json(v) if not isinstance(v, dict) else v for k, v in fields.items()})
 
     def finish(self, status: str, error: str | None = None) -> dict[str, Any]:
         attempt = self.summary["attempts"][-1]
-        attempt.update(status=status, finished_at=_now(), wall_time_s=round(time.time() - self.started, 2),
+        attempt.update(status=status, finished_at=utc_now(), wall_time_s=round(time.time() - self.started, 2),
                        **({"error": error} if error else {}))
         total = sum(a.get("wall_time_s") or 0.0 for a in self.summary["attempts"])
         self.summary.update(status=status, finished_at=attempt["finished_at"], wall_time_s=round(total, 2))

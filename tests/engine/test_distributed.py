@@ -4,12 +4,16 @@ record and one W&B run, and evaluate exactly; gradient accumulation is the same 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 from conftest import ROOT, compose_cfg, quick_cfg
+from process_workers import process_group_states
 
 from normexp.data.samplers import ShardedSampler
 from normexp.run import run
@@ -58,6 +62,17 @@ def test_two_processes_train_what_one_process_trains(tmp_path):
     assert sorted(p.parent for p in tmp_path.glob("**/summary.json")) == sorted([one, two])
     assert len(list((two / "wandb").glob("offline-run-*"))) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_leaves_the_process_group_it_joined(tmp_path):
+    # left at the block's end and on the endings it names; one joined before (by the entry point, under
+    # torchrun) is kept for the runs that follow, and left by whoever joined it
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = str(tmp_path / "states.npy")
+    mp.start_processes(process_group_states, args=(2, port, result), nprocs=2, start_method="spawn")
+    assert np.load(result).tolist() == [True, False, False, True]
 
 
 def test_sampler_deals_the_same_global_batches_to_any_number_of_processes():

@@ -16,7 +16,7 @@ import torch
 from conftest import CONFIG_DIR, compose_cfg, forward_backward
 
 from normexp.errors import UserError
-from normexp.models import build_backbone, create_model
+from normexp.models import build_backbone, create_model, list_models
 from normexp.models.base import Backbone, NormContext
 from normexp.norms import get_norm_class, list_norms
 from normexp.norms.normfree import residual_branches
@@ -83,6 +83,15 @@ def test_every_family_declares_the_backbone_contract(name):
         context = model.norm_context(slot)
         assert set(context) <= set(NormContext.__annotations__), (slot, context)
         assert context["num_heads"] >= 1
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_every_registered_model_builds_with_its_own_defaults(name):
+    """Outside Hydra too: ``create_model(name)`` with no arguments builds (on the meta device: no memory, no
+    init cost); where a default matters, it is the value the model's configs/backbone yaml sets."""
+    with torch.device("meta"):
+        model = create_model(name)
+    assert sum(p.numel() for p in model.parameters()) > 0
 
 
 def kept_by_the_family(model: torch.nn.Module, slot: str, norm: str) -> bool:

@@ -1,9 +1,11 @@
-"""DTN's computation (the steps of ``normexp.norms.dtn``) in whole-tensor kernels, and its fused path
+"""DTN's computation (the steps of ``DTN.normalize`` in ``normexp.norms.dtn``) in whole-tensor kernels that
+take tensors and plain numbers, not the layer, and its fused path
 (``norm.kernels=compiled|eager``): steps 0-1 (pre-scaling, LN statistics) and 3-4 (mixing, standardising) are
 two autograd Functions with hand-written backward passes that save their inputs only and recompute the
 rest; their kernels run op by op (``eager``) or compiled by ``torch.compile`` into a few loops
 (``compiled``). ``autograd`` runs the same kernels as plain ops and lets autograd derive the backward (what
-an outer ``torch.compile`` traces), so every path computes the same numbers.
+an outer ``torch.compile`` traces), so every path computes the same numbers. :func:`prescale_stats` and
+:func:`mix` take the path by name; the position matmuls between them (step 2) are ``DTN.apply_position``.
 
 How the statistics are laid out: the grid tokens' z and z*z go side by side through the position matmuls,
 laid out (H, h, w, B, d) so that each head's contraction is one large GEMM; with the separable P (a
@@ -18,16 +20,13 @@ layout.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import RECOMPUTE, Kernels, resolve_kernels
-
-if TYPE_CHECKING:
-    from ..dtn import DTN
+from . import RECOMPUTE, Kernels
 
 # Plain torch ops on whole tensors, used three ways (see ``DTN.kernels``): called directly, with autograd
 # deriving the backward; inside _PrescaleStats / _Mix with their hand-written backward, op by op; or the
@@ -38,7 +37,7 @@ if TYPE_CHECKING:
 def _prescale_stats(x: torch.Tensor, heads: int, eps: float, prefix: int, moments_grid: tuple[int, int] | None
                     ) -> tuple[torch.Tensor, ...]:
     """Steps (0)-(1): x (B, N, C) -> xs (B, N, C) pre-scaled per head, its factors rms (B, N, H, 1),
-    mu_ln, var_ln (B, N) and, for ``moments_grid`` (h, w), the grid tokens' moments :func:`_moments`."""
+    mu_ln, var_ln (B, N) and, for ``moments_grid`` (h, w), the grid tokens' moments :func:`grid_moments`."""
     b, n, c = x.shape
     xh = x.view(b, n, heads, c // heads)
     rms = torch.rsqrt(xh.square().mean(-1, keepdim=True) + eps)
@@ -49,11 +48,11 @@ def _prescale_stats(x: torch.Tensor, heads: int, eps: float, prefix: int, moment
     var = (xs.square().mean((2, 3)) - mu.square()).clamp_min(0) * (c / (c - 1))  # unbiased, as torch.var
     moments = None
     if moments_grid is not None:
-        moments = _moments(xs[:, prefix:].reshape(b, *moments_grid, heads, c // heads))
+        moments = grid_moments(xs[:, prefix:].reshape(b, *moments_grid, heads, c // heads))
     return xs.view(b, n, c), rms, mu, var, moments
 
 
-def _moments(z: torch.Tensor) -> torch.Tensor:
+def grid_moments(z: torch.Tensor) -> torch.Tensor:
     """Grid tokens (B, h, w, H, d) -> (H, h, w, 2B, d): z and z*z side by side, laid out so that the mean and
     the second moment share the position matmuls and each head's is one large GEMM."""
     z = z.permute(3, 1, 2, 0, 4)
@@ -61,7 +60,7 @@ def _moments(z: torch.Tensor) -> torch.Tensor:
 
 
 def _moments_backward(g_grid: torch.Tensor, g_moments: torch.Tensor, z: torch.Tensor) -> None:
-    """Adds the gradient through :func:`_moments` to g_grid: dL/dz += dL/dmean + 2 z dL/dsecond.
+    """Adds the gradient through :func:`grid_moments` to g_grid: dL/dz += dL/dmean + 2 z dL/dsecond.
     g_grid, z: (H, h, w, B, d) views; g_moments: (H, h, w, 2B, d)."""
     b = z.shape[3]
     g_grid.copy_(g_grid + g_moments[:, :, :, :b] + 2 * z * g_moments[:, :, :, b:])
@@ -112,14 +111,14 @@ def _mix(out_grid: torch.Tensor, xs: torch.Tensor, stats: torch.Tensor, mu_ln: t
     """Steps (3)-(4) on the grid tokens, written into out_grid (the (H, h, w, B, d) view of the output).
 
     They mix ``stats`` (2, B, h, w, H, d) -- mu_in and E_P[z^2] (``from_moments``) or var_in -- with the LN
-    statistics mu_ln, var_ln (B, N) per head (prefix tokens: :func:`_ln_prefix`).
+    statistics mu_ln, var_ln (B, N) per head (prefix tokens: :func:`ln_prefix`).
     """
     heads = lam_var.shape[0]
     y = _mix_terms(xs, stats, mu_ln, var_ln, lam_mu, lam_var, eps, prefix, from_moments)[0]
     out_grid.copy_(y * weight.view(heads, 1, 1, 1, -1) + bias.view(heads, 1, 1, 1, -1))
 
 
-def _ln_prefix(xs: torch.Tensor, mu_ln: torch.Tensor, var_ln: torch.Tensor, eps: float) -> torch.Tensor:
+def ln_prefix(xs: torch.Tensor, mu_ln: torch.Tensor, var_ln: torch.Tensor, eps: float) -> torch.Tensor:
     """Prefix tokens (B, P, C) standardised with their LN statistics only (before the affine)."""
     return (xs - mu_ln[..., None]) * torch.rsqrt(var_ln[..., None] + eps)
 
@@ -202,7 +201,7 @@ class _Mix(torch.autograd.Function):
         kernels.mix(_head_major(out, prefix, grid, heads), xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight,
                     bias, eps, prefix, from_moments)
         if prefix:
-            y_p = _ln_prefix(xs[:, :prefix], mu_ln[:, :prefix], var_ln[:, :prefix], eps)
+            y_p = ln_prefix(xs[:, :prefix], mu_ln[:, :prefix], var_ln[:, :prefix], eps)
             torch.addcmul(bias, y_p, weight, out=out[:, :prefix])
         ctx.save_for_backward(xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight)
         ctx.config, ctx.kernels = (eps, prefix, from_moments), kernels
@@ -257,7 +256,7 @@ def _output_buffer(xs: torch.Tensor, map_size: tuple[int, int] | None) -> torch.
     return xs.new_empty(b, c, *map_size).permute(0, 2, 3, 1).view(b, n, c)
 
 
-def _pool_grid(z: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+def pool_grid(z: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Adaptive average pooling of grid tokens (B, h, w, C) to (B, *size, C), as two small matmuls (the same
     bins and weights as ``F.adaptive_avg_pool2d``; their backward is two GEMMs, not a scatter)."""
     b, h, w, c = z.shape
@@ -273,114 +272,36 @@ def _pool_matrix(n: int, m: int, dtype: torch.dtype, device: torch.device) -> to
 
 
 @functools.cache
-def _nearest_index(m: int, n: int, device: torch.device) -> torch.Tensor:
+def nearest_index(m: int, n: int, device: torch.device) -> torch.Tensor:
     """For each of n positions, the one of m that ``F.interpolate(mode="nearest")`` copies to it."""
     idx = torch.arange(m, dtype=torch.float32, device=device)[None, None]
     return F.interpolate(idx, size=n, mode="nearest").view(n).long()
 
 
-def normalize(layer: DTN, x: torch.Tensor, grid: tuple[int, int], prefix: int,
-               map_size: tuple[int, int] | None = None) -> torch.Tensor:
-    """x: (B, N, C) with ``prefix`` leading non-grid tokens and H*W grid tokens in raster order."""
-    b, n, c = x.shape
-    if c != layer.dim:
-        raise ValueError(f"DTN built for {layer.dim} channels got {c}")
-    nh, d = layer.num_heads, layer.head_dim
-    gh, gw = grid
-    ps = layer.pool_size
-    pooled = ps is not None and (gh > ps or gw > ps)
-    mode = resolve_kernels(layer.kernels, x, ("dtn", nh, grid, ps, layer.separable, layer.only_var))
-    kernels = _KERNELS.get(mode)
-    fused = mode != "autograd"
+def prescale_stats(x: torch.Tensor, heads: int, eps: float, prefix: int,
+                   moments_grid: tuple[int, int] | None, mode: str) -> tuple[torch.Tensor, ...]:
+    """Steps (0)-(1) on the path ``mode`` (``autograd``: plain ops; ``eager`` | ``compiled``: the fused
+    Function): x (B, N, C) -> (xs, mu_ln, var_ln) and, for ``moments_grid``, the grid tokens' moments."""
+    if mode == "autograd":
+        xs, _, mu_ln, var_ln, moments = _prescale_stats(x, heads, eps, prefix, moments_grid)
+        return (xs, mu_ln, var_ln) if moments is None else (xs, mu_ln, var_ln, moments)
+    return _PrescaleStats.apply(x, heads, eps, prefix, moments_grid, _KERNELS.get(mode))
 
-    # (0) per-token, per-head RMS pre-scaling; (1) LN statistics over all C channels (unbiased variance,
-    # as the official torch.var call); unpooled grids also get their moments for step (2) here
-    moments_grid = None if pooled else grid
-    if fused:
-        xs, mu_ln, var_ln, *moments = _PrescaleStats.apply(x, nh, layer.eps, prefix, moments_grid, kernels)
-    else:
-        xs, _, mu_ln, var_ln, *moments = kernels.prescale_stats(x, nh, layer.eps, prefix, moments_grid)
 
-    # (2) inter-token statistics, computed in the layout (H, h, w, B, d): each head's P then contracts
-    # leading spatial dims, so every matmul is one large GEMM per head (no batches of tiny matrices).
-    if pooled:
-        size = (min(gh, ps), min(gw, ps))
-        moments = _moments(_pool_grid(xs[:, prefix:].view(b, gh, gw, c), size).view(b, *size, nh, d))
-    else:
-        moments = moments[0]
-    # separable P: nearest upsampling folds into the factors (a gather of target columns), so the
-    # statistics come out at full resolution and var_in = E_P[z^2] - mu_in^2 is formed in the mix kernel
-    from_moments = not pooled or layer.separable
-    st = apply_position(layer, moments, grid if from_moments else None)  # mu_in and E_P[z^2]
-    if from_moments:
-        stats = st.view(nh, gh, gw, 2, b, d).permute(3, 4, 1, 2, 0, 5)
-    else:  # dense P at the pooled size, then var_in and nearest upsampling (official dtn_pool)
-        mu_in, second = st.view(nh, *size, 2, b, d).unbind(3)
-        var_in = torch.addcmul(second, mu_in, mu_in, value=-1.0).clamp_min(0)
-        # nearest upsampling of both statistics in one call; (N, h', w', d) viewed channels-last
-        st = torch.stack((mu_in, var_in)).permute(0, 1, 4, 2, 3, 5).reshape(2 * nh * b, *size, d)
-        st = F.interpolate(st.permute(0, 3, 1, 2), size=(gh, gw), mode="nearest").permute(0, 2, 3, 1)
-        stats = st.reshape(2, nh, b, gh, gw, d).permute(0, 2, 3, 4, 1, 5)
-    # stats: (2, B, h, w, H, d) views
-
-    # (3) mix per head and (4) standardise + affine
-    # parameters in the statistics' dtype (a bfloat16 model computes them in float32, see forward)
-    lam_mu, lam_var = (None if t is None else t.to(x.dtype) for t in layer.mixing_weights())
-    weight, bias = layer.weight.to(x.dtype), layer.bias.to(x.dtype)
-    args = (xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight, bias, layer.eps, prefix, from_moments)
-    if fused:
-        return _Mix.apply(*args, map_size, kernels)
+def mix(xs: torch.Tensor, stats: torch.Tensor, mu_ln: torch.Tensor, var_ln: torch.Tensor,
+        lam_mu: torch.Tensor | None, lam_var: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+        eps: float, prefix: int, from_moments: bool, map_size: tuple[int, int] | None, mode: str
+        ) -> torch.Tensor:
+    """Steps (3)-(4) on the path ``mode``: the (B, N, C) output (a view of a (B, C, H, W) map for
+    ``map_size``) from the pre-scaled xs, the inter-token ``stats`` (2, B, h, w, H, d) and the LN statistics
+    (prefix tokens: LN statistics only)."""
+    args = (xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight, bias, eps, prefix, from_moments)
+    if mode != "autograd":
+        return _Mix.apply(*args, map_size, _KERNELS.get(mode))
     y = _output_buffer(xs, map_size)
-    kernels.mix(_head_major(y, prefix, grid, nh), *args)
+    grid, heads = (stats.shape[2], stats.shape[3]), lam_var.shape[0]
+    _mix(_head_major(y, prefix, grid, heads), *args)
     if prefix:
-        y[:, :prefix] = _ln_prefix(xs[:, :prefix], mu_ln[:, :prefix], var_ln[:, :prefix], layer.eps) \
-            * weight + bias
+        y[:, :prefix] = ln_prefix(xs[:, :prefix], mu_ln[:, :prefix], var_ln[:, :prefix], eps) * weight + bias
     return y
 
-
-def normalize_subset(layer: DTN, x: torch.Tensor, positions: torch.Tensor, prefix: int) -> torch.Tensor:
-    """x: (B, N, C) with ``prefix`` leading non-grid tokens, then the grid tokens at ``positions`` (B, M) of
-    ``layer.layout.grid``: steps (0)-(4) with P^h over the tokens present, from their offsets (plain ops;
-    autograd derives the backward)."""
-    b, n, c = x.shape
-    nh, d = layer.num_heads, layer.head_dim
-    xs, _, mu_ln, var_ln, _ = _prescale_stats(x, nh, layer.eps, prefix, None)
-    width = layer.layout.grid[1]
-    rows, cols = (positions // width).to(x.dtype), (positions % width).to(x.dtype)
-    dx, dy = cols[:, None, :] - cols[:, :, None], rows[:, None, :] - rows[:, :, None]  # [b, p, q]: q - p
-    rel = torch.stack((dx, dy, dx * dx + dy * dy), dim=-1)
-    weight, bias = layer.pos_proj.weight.to(x.dtype), layer.pos_proj.bias.to(x.dtype)
-    p = F.linear(rel, weight, bias).permute(0, 3, 1, 2).softmax(dim=2)  # [b, H, p, q], sums over p are 1
-    z = xs[:, prefix:].view(b, n - prefix, nh, d)
-    mu_in = torch.einsum("bhpq,bphd->bqhd", p, z)
-    var_in = (torch.einsum("bhpq,bphd->bqhd", p, z * z) - mu_in * mu_in).clamp_min(0)
-    lam_mu, lam_var = (None if t is None else t.to(x.dtype) for t in layer.mixing_weights())
-    mu_g, var_g = mu_ln[:, prefix:, None, None], var_ln[:, prefix:, None, None]
-    mu = mu_g if lam_mu is None else mu_in + lam_mu.view(nh, 1) * (mu_g - mu_in)
-    rstd = torch.rsqrt(var_in + lam_var.view(nh, 1) * (var_g - var_in) + layer.eps)
-    grid_out = ((z - mu) * rstd).reshape(b, n - prefix, c)
-    prefix_out = _ln_prefix(xs[:, :prefix], mu_ln[:, :prefix], var_ln[:, :prefix], layer.eps)
-    return torch.cat((prefix_out, grid_out), dim=1) * layer.weight.to(x.dtype) + layer.bias.to(x.dtype)
-
-
-def apply_position(layer: DTN, s: torch.Tensor, target_grid: tuple[int, int] | None = None) -> torch.Tensor:
-    """out[h, q] = sum_p P^h[p, up(q)] s[h, p] for s of shape (H, h', w', M, d), tokens p = (row, col).
-
-    ``target_grid`` (separable only): targets q on that finer grid, each reading the pooled target
-    ``up(q)`` that nearest upsampling would copy to it; default: the targets are the grid of s.
-    """
-    nh, h, w, m, d = s.shape
-    if layer.separable:
-        py, px = layer.position_factors((h, w), s.dtype)
-        if target_grid is not None and target_grid != (h, w):
-            py = py[:, :, _nearest_index(h, target_grid[0], py.device)]
-            px = px[:, :, _nearest_index(w, target_grid[1], px.device)]
-        # contract the source rows, then the source columns; the target index takes the source's place
-        s = torch.bmm(py.transpose(1, 2), s.reshape(nh, h, w * m * d))
-        s = torch.matmul(px.transpose(1, 2).unsqueeze(1), s.view(nh, py.shape[2], w, m * d))
-        return s.view(nh, py.shape[2], px.shape[2], m, d)
-    if target_grid is not None and target_grid != (h, w):
-        raise ValueError("the dense position matrix takes targets on the grid of its input")
-    p = layer.position_matrix((h, w), s.dtype)
-    s = torch.bmm(p.transpose(1, 2), s.reshape(nh, h * w, m * d))
-    return s.view(nh, h, w, m, d)
