@@ -13,8 +13,8 @@ A table or scale name is looked up in normexp's ``configs/`` and then in the dir
 ``run`` plans the table (which runs it needs, which are done), launches the missing ones as one Hydra
 multirun with the table sweeper (``python -m normexp -m hydra/sweeper=table ...``, so any Hydra launcher can
 run them), then renders ``results/tables/<id>.{md,csv,tex,png}`` and ``<id>_curves.png`` from the records
-(at a scale other than smoke: in ``results/tables/<scale>/``). It exits 1 when a run failed or is still missing (after rendering what there is), 0 otherwise -- a
-diverged run is a result.
+(at a scale other than smoke: in ``results/tables/<scale>/``). It exits 1 when a run failed or is still
+missing (after rendering what there is), 0 otherwise -- a diverged run is a result.
 """
 
 from __future__ import annotations

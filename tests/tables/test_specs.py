@@ -208,7 +208,8 @@ def test_a_scale_extends_another(tmp_path):
     """``extends``: the base's patterns after the file's own (first match wins), its task overrides replaced
     task by task."""
     path = tmp_path / "longer.yaml"
-    path.write_text("extends: smoke\nseeds: [0, 1]\nreplace:\n  backbone:\n    'vit_small': [backbone=vit_tiny]\n"
+    path.write_text("extends: smoke\nseeds: [0, 1]\nreplace:\n  backbone:\n"
+                    "    'vit_small': [backbone=vit_tiny]\n"
                     "overrides:\n  classification: [trainer.epochs=30]\n")
     scale, smoke = load_scale(str(path)), load_scale("smoke")
     assert scale.seeds == (0, 1)
