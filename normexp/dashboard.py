@@ -8,7 +8,8 @@
 Every run record under the output root -- made with any logger or none, tables' runs included -- that is not
 in the store yet is imported (keyed by its ``run_id``; a record still ``running`` waits for the next import),
 then MLflow's tracking server and UI start on localhost over the store. Importing again adds nothing; the
-records are only read. The UI compares runs side by side, groups and charts them (README: "Dashboards").
+records are only read. The UI compares runs side by side, groups and charts them
+(docs/records-and-dashboards.md: "Dashboards").
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ model and optimizer state it starts from (gradients cleared first) -- CUDA:
 ``torch.cuda.max_memory_allocated``; CPU: the running sum of the CPU allocator's allocations and frees
 recorded by ``torch.profiler(profile_memory=True)`` over the step (tensor memory only, not the process RSS).
 
-Ratios are printed against the project's targets (README, Benchmarks); on a shared machine they are noisy
+Ratios are printed against the project's targets (docs/benchmarks.md); on a shared machine they are noisy
 (re-run on a quiet one). Example:
 
     python scripts/bench_train.py --backbone vit_small --norms ln dyt dtn --batch 8 --rounds 3

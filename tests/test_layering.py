@@ -1,6 +1,6 @@
 """The package's layers: every import inside normexp points down (or stays inside its own unit), so each
 layer can be read, tested and replaced without the ones above it; and no module imports itself through
-others (no import circles, inside a unit either). The README's Layout section draws the layers."""
+others (no import circles, inside a unit either). docs/layout.md draws the layers."""
 
 from __future__ import annotations
 

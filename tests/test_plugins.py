@@ -1,7 +1,8 @@
 """Extending without forking: a user's own normalizer, backbone family and table, in a directory of their
-own, picked up with no edit of normexp -- the README's "Extending normexp" example, run as a user runs it.
+own, picked up with no edit of normexp -- the "Extending normexp" example (docs/extending.md), run as a user
+runs it.
 
-The files and command lines are read from the README's section: ``mynorms.py`` (a scaled RMS norm
+The files and command lines are read from that page: ``mynorms.py`` (a scaled RMS norm
 registered as ``scaled_rms``), ``mynets.py`` (a two-block token mixer registered as ``tiny_mixer``, built
 with ``nn.LayerNorm`` slots like every normexp backbone), their yaml, a table spec
 ``configs/table/mytable.yaml`` and a scale ``configs/scale/one_epoch.yaml``, written into ``tmp_path``; the
@@ -27,15 +28,13 @@ from normexp.errors import UserError
 from normexp.plugins import load_plugin
 from normexp.tables.spec import list_tables, load_scale, load_table, searchpath_of
 
-SECTION = "## Extending normexp"
+PAGE = ROOT / "docs" / "extending.md"
 PYTHON = "PYTHONPATH=. python -m normexp "
 
 
-def readme_example() -> tuple[dict[str, str], list[str]]:
-    """The README's example: its files (each fenced block opening with ``# <path>``) and its command lines."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index(SECTION):]
-    section = section[: section.index("\n## ", len(SECTION))]
+def page_example() -> tuple[dict[str, str], list[str]]:
+    """The page's example: its files (each fenced block opening with ``# <path>``) and its command lines."""
+    section = PAGE.read_text()
     blocks = re.findall(r"^```\w*\n(.*?)^```", section, flags=re.S | re.M)
     files = {b.split("\n", 1)[0][2:]: b.split("\n", 1)[1] for b in blocks if b.startswith("# ")}
     lines = [line for b in blocks for line in b.replace("\\\n", " ").splitlines()]
@@ -43,7 +42,7 @@ def readme_example() -> tuple[dict[str, str], list[str]]:
     return files, commands
 
 
-FILES, COMMANDS = readme_example()
+FILES, COMMANDS = page_example()
 WIDTH, DEPTH, PATCH, CLASSES = 32, 2, 4, 10  # tiny_mixer as its yaml and defaults make it
 
 
@@ -55,7 +54,7 @@ def mixer_params(norm_params: int) -> int:
 
 
 def command(index: int, user_dir: Path) -> list[str]:
-    """The arguments of the README's command ``index``, run from ``user_dir``."""
+    """The arguments of the page's command ``index``, run from ``user_dir``."""
     return shlex.split(COMMANDS[index].removeprefix(PYTHON).replace("$PWD", str(user_dir)))
 
 
@@ -80,7 +79,7 @@ def records(root: Path) -> list[Path]:
     return sorted(p.parent for p in root.rglob("summary.json"))
 
 
-def test_the_readme_shows_the_whole_example():
+def test_the_page_shows_the_whole_example():
     assert set(FILES) == {"mynorms.py", "mynets.py", "configs/norm/scaled_rms.yaml",
                           "configs/backbone/tiny_mixer.yaml", "configs/table/mytable.yaml",
                           "configs/scale/one_epoch.yaml"}
@@ -159,7 +158,7 @@ def test_a_users_table_runs(user_dir):
     assert {n: s["status"] for n, s in runs.items()} == {"scaled_rms": "completed", "ln": "completed"}
     assert runs["scaled_rms"]["params"] == mixer_params(WIDTH + 1)
     assert runs["ln"]["params"] == mixer_params(2 * WIDTH)
-    table = (results / "mytable.md").read_text()
+    table = (results / "one_epoch" / "mytable.md").read_text()  # a scale other than smoke: its own folder
     assert "scaled_rms" in table and str(mixer_params(WIDTH + 1)) in table
 
 

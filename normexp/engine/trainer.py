@@ -95,7 +95,7 @@ class Trainer:
         # the module: timm exempts 1-D params, biases and no_weight_decay() names; its parameters: all decay
         params = self.module.parameters() if cfg.decay_norm_and_bias else self.module
         # layer_decay: each parameter's lr scaled by layer_decay^(depth - its layer), timm's
-        # param_groups_layer_decay (the layers of MAE's lr_decay.py; README: fine-tuning)
+        # param_groups_layer_decay (the layers of MAE's lr_decay.py; docs/self-supervision.md: fine-tuning)
         self.optimizer = create_optimizer_v2(
             params, opt=cfg.opt, lr=self.scaled_lr(cfg.lr) * cfg.lr_factor, weight_decay=cfg.weight_decay,
             eps=cfg.opt_eps, betas=tuple(cfg.betas), layer_decay=cfg.layer_decay,

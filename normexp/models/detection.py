@@ -27,7 +27,7 @@ Thresholds, sample sizes and loss weights are torchvision's options and come fro
 recipes state mmdet's). torchvision's ``GeneralizedRCNNTransform`` resizes (``min_size``/``max_size``),
 normalises and pads to a multiple of 32; NMS and RoIAlign are torchvision's compiled ops. Fixed-resolution
 backbones (LeViT) get every image resized to their ``img_size``. What still differs from mmdet is listed in
-the README (*Detection: what differs from MMDetection*).
+docs/detection.md (*What differs from MMDetection*).
 """
 
 from __future__ import annotations
