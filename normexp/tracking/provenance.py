@@ -66,7 +66,9 @@ def hardware() -> dict[str, Any]:
 
 
 def git_state(path: Path | None = None) -> dict[str, Any]:
-    """Commit and dirty flag of the checkout holding this package (None outside a git checkout)."""
+    """Commit and dirty flag of the checkout holding this package (None outside a git checkout). Dirty: a
+    tracked file differs from the commit, ``results/`` aside -- what the suite renders there (a table made
+    in this checkout) does not change the code the next run trains with."""
     cwd = path or Path(__file__).resolve().parent
 
     def git(*args: str) -> str | None:
@@ -77,7 +79,8 @@ def git_state(path: Path | None = None) -> dict[str, Any]:
         return out.stdout.strip() if out.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)results") \
+        if commit else None
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
