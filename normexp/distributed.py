@@ -125,8 +125,10 @@ def joined() -> bool:
 
 
 def shutdown() -> None:
-    """Leave the process group, if this process is in one."""
+    """Leave the process group, if this process is in one: together (a barrier first), so that no process
+    tears down the rendezvous store while another still talks to it."""
     if joined():
+        dist.barrier()
         dist.destroy_process_group()
 
 

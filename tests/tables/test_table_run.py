@@ -166,5 +166,5 @@ def test_two_planners_at_once_train_every_run_once(tmp_path):
         assert len(epochs) == 1 and json.loads(summary.read_text())["status"] == "completed"
         assert not (summary.parent / "run.lock").exists()
     for i in range(2):
-        cells = md_cells((tmp_path / f"results{i}" / "pair.md").read_text())
+        cells = md_cells((tmp_path / f"results{i}" / "cpu1" / "pair.md").read_text())
         assert all(cells[row][1].endswith(" (1 run)") for row in cells), cells
