@@ -73,14 +73,14 @@ def test_table_runs_skips_and_plans_what_is_missing(tmp_path, capfd, monkeypatch
     code, first = in_process(capfd, cli.main, *args)
     assert code == 1, first[-2000:]  # a run failed: the table is written all the same
     assert "hydra/sweeper=table" in first and "Launching 3 jobs" in first
-    cells = md_cells((out / "tiny.md").read_text())
+    cells = md_cells((out / "cpu1" / "tiny.md").read_text())
     assert cells["dyt identity"][2].startswith("diverged@")
     assert int(cells["dyt identity"][2].removeprefix("diverged@")) <= 10
     top1 = cells["dyt tanh"][2]
     assert top1.endswith(" (1 run)") and 0 < float(top1.split()[0]) <= 100
     assert cells["ln None"][2].startswith("failed: UserError: the training set is smaller than one batch")
     for suffix in (".md", ".csv", ".tex", ".png", "_curves.png"):
-        assert (out / f"tiny{suffix}").stat().st_size > 0
+        assert (out / "cpu1" / f"tiny{suffix}").stat().st_size > 0
 
     # without the failing block every run is done: nothing is launched
     spec.write_text(SPEC.replace("  - norm=ln data.batch_size=5000", "  # removed"))
@@ -120,7 +120,7 @@ def test_a_deleted_record_is_trained_again_to_the_same_numbers(tmp_path, capfd, 
     monkeypatch.setenv("WANDB_SILENT", "true")
     args = ("run", str(spec), "--scale", str(scale), "--out", str(out))
     assert in_process(capfd, cli.main, *args)[0] == 0
-    top1 = md_cells((out / "tiny.md").read_text())["dyt tanh"][2]
+    top1 = md_cells((out / "cpu1" / "tiny.md").read_text())["dyt tanh"][2]
     tanh, identity = record_dirs(root)
     before = (identity / "summary.json").stat().st_mtime_ns
     shutil.rmtree(tanh)
@@ -128,7 +128,7 @@ def test_a_deleted_record_is_trained_again_to_the_same_numbers(tmp_path, capfd, 
     assert code == 0, again[-2000:]
     assert "1 done (skipped), 1 to run" in again and "Launching 1 jobs" in again
     assert (tanh / "summary.json").is_file() and (identity / "summary.json").stat().st_mtime_ns == before
-    assert md_cells((out / "tiny.md").read_text())["dyt tanh"][2] == top1  # same seed, same numbers
+    assert md_cells((out / "cpu1" / "tiny.md").read_text())["dyt tanh"][2] == top1  # same seed, same numbers
 
 
 PAIR = """
