@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", default=None, metavar="KEY=VALUE", help="add each metric's delta "
                         "against the group whose KEY (a group-by path) is VALUE, e.g. norm.name=ln: paired "
                         "by seed where the seeds agree, else Welch's, with its 95 %% interval")
+    parser.add_argument("--sort", choices=("rows", "started"), default="rows", help="the groups in the "
+                        "table's (or the records') order, or by their first run's start (started_at)")
     parser.add_argument("--format", choices=("md", "csv"), default="md")
     args = parser.parse_args(argv)
     try:
@@ -270,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
         if baseline is not None and baseline[0] not in keys:
             raise UserError(f"--baseline {args.baseline}: {baseline[0]} is not one of the groups' keys "
                             f"({', '.join(keys)}); add it to --group-by")
+        if args.sort == "started":
+            entries.sort(key=lambda e: e.record.summary.get("started_at") or "")
         lines = summarise(entries, metrics, baseline)
         print(render(lines, keys, metrics, args.format, with_delta=baseline is not None), end="")
         if args.format == "md":

@@ -264,6 +264,7 @@ class PlacementSchema:
 @dataclass
 class RunSchema:
     seed: int = checked_field(0, **rng(0, INT64_MAX))
+    trial: int = checked_field(0, **rng(0))
     name: str = "???"
     tags: list[str] = field(default_factory=list)
     plugins: list[str] = field(default_factory=list)  # modules or .py files: normexp.plugins

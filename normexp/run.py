@@ -1,28 +1,19 @@
-"""One entry for every task: validate, decide how a run starts, record, dispatch. Nothing here touches Hydra.
+"""One entry for every task: validate, decide how the run starts, record, dispatch (no Hydra here).
 
-The order is what makes a refusal harmless:
-
-1. the config is validated (``normexp.config.validate``), the task prepares it (a checkpoint's model for
-   robustness) and the model is built on the meta device -- before anything is written;
-2. process 0 claims the run directory (``run.lock``, ``normexp.tracking.lock``) and decides how the run
-   starts (:func:`decide_start`): afresh; resumed from a checkpoint, read and verified now; already done
-   (nothing to do, nothing touched, no claim needed); or refused -- the directory holds another config's
-   run, a damaged record, or a checkpoint that does not read back whole. A refusal leaves every file of
-   the directory as it was;
-   With ``find_unfinished`` (the run directory is one Hydra has just made for this command), an unfinished
-   run of the same identity under the output root is continued in its own directory instead: rerunning the
-   command that was interrupted continues it;
-3. only then is the record written (:class:`RunRecord`) and the task run into it.
-
-In a distributed job every process runs this; process 0 alone decides and writes the record, its directory
-and the loggers, and every process follows its decision.
+A refusal is harmless because of the order: the config is validated and prepared by its task and the model
+built on the meta device; process 0 claims the run's directory (:mod:`normexp.tracking.run_dir`) and decides
+the start (:func:`decide_start`: afresh, resumed from a verified checkpoint, already done, or refused) --
+reading only; then the record is written and the task runs into it. In a distributed job every process runs
+this and follows process 0's decision.
 """
 
 from __future__ import annotations
 
+import glob
 import importlib
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,23 +27,23 @@ from .errors import Diverged, Interrupted, UserError, one_line, storage_error
 from .models import check_buildable
 from .tasks import get_task
 from .tracking import LOGGER_CLASSES
-from .tracking.lock import RunLock, live_owner
+from .tracking.lock import RunLock
 from .tracking.provenance import IDENTITY_DEFAULTS, NON_IDENTITY_KEYS, config_hash, flatten, seed_everything
 from .tracking.records import (
     DONE,
     MetricsMirror,
-    Record,
     RunRecord,
     display_name,
     effective_status,
-    iter_records,
+    load_record,
     metrics_rows,
-    output_root,
     read_config,
     read_summary,
     remove_stale_temporaries,
     run_tags,
 )
+from .tracking.run_dir import run_dir as directory_of
+from .tracking.run_dir import run_log
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +131,7 @@ def decide_start(run_dir: Path, config: dict[str, Any], resume: str | None) -> S
         status = effective_status(run_dir, summary) if summary else "no summary"
         what = differences(old_config, config) if old_config else f"run_id {recorded}"
         raise UserError(f"{run_dir} holds another run ({status}; it differs in {what}): give this run a "
-                        "directory of its own (leave out hydra.run.dir), or continue that one with its own "
-                        "config")
+                        "directory of its own, or continue that one with its own config")
     if summary is not None and summary["status"] in DONE:
         return Start("done", run_dir, summary=summary)
     source = None
@@ -159,97 +149,46 @@ def decide_start(run_dir: Path, config: dict[str, Any], resume: str | None) -> S
     return Start("resume", run_dir, state, rows=_kept_rows(run_dir, state), summary=summary)
 
 
-def find_unfinished(root: Path, config: dict[str, Any], exclude: Path) -> Record | None:
-    """The latest record of ``config``'s run under ``root`` that has not finished and whose process is gone.
-
-    Says which unfinished run it does not continue: a damaged record of this run, or -- when there is none
-    to continue -- the latest unfinished run of the same name, with the keys its config differs in (a yaml
-    edited after an interrupt)."""
-    run_id = config_hash(config)
-    same, others = [], []
-    for record in iter_records(root, damaged=True):
-        if record.dir.resolve() == exclude.resolve() or record.status in (*DONE, "running"):
+def warn_of_namesakes(run_dir: Path, config: dict[str, Any]) -> None:
+    """A fresh run beside unfinished runs of the same name (a yaml edited after an interrupt): say which
+    it does not continue, and the keys their configs differ in."""
+    for other in sorted(run_dir.parent.glob(f"{glob.escape(str(config.get('name')))}-*")):
+        record = load_record(other, with_config=True) if other != run_dir else None
+        if record is None or record.damage is not None or record.status in (*DONE, "running"):
             continue
-        if record.damage is not None:
-            if record.run_id == run_id:
-                log.warning("not continuing the unfinished run of this config in %s: %s", record.dir,
-                            record.damage)
-        elif record.run_id == run_id:
-            same.append(record)
-        elif record.summary.get("name") == config.get("name"):
-            others.append(record)
-    found = max(same, key=lambda r: r.summary.get("started_at") or "", default=None)
-    other = max(others, key=lambda r: r.summary.get("started_at") or "", default=None)
-    if found is None and other is not None:
-        try:
-            what = f"it differs in {differences(other.config, config)}"
-        except (UserError, FileNotFoundError) as e:  # its config is damaged, or gone
-            what = one_line(e)
-        log.warning("not continuing the unfinished run of the same name in %s (%s): %s; this run starts "
-                    "afresh (set those back to continue that one)", other.dir, other.status, what)
-    return found
+        log.warning("not continuing the unfinished run of the same name in %s (%s): it differs in %s; this "
+                    "run starts afresh (set those back to continue that one)", other, record.status,
+                    differences(record.config, config))
 
 
-def named_after(run_dir: Path, configured: str, prepared: str) -> Path:
-    """A fresh run directory renamed after the model that runs, when Hydra named it after the configured
-    one (``task=robustness`` evaluating a checkpoint of another model)."""
-    empty = run_dir.is_dir() and not any(run_dir.iterdir())
-    if configured == prepared or not run_dir.name.endswith(configured) or not empty:
-        return run_dir
-    new = run_dir.with_name(run_dir.name[: -len(configured)] + prepared)
-    if new.exists():
-        return run_dir
-    run_dir.rename(new)
-    return new
-
-
-def untaken(run_dir: Path, run_id: str) -> Path:
-    """The directory Hydra made for this command, or -- when another run started in the same second under
-    the same name holds it -- a sibling named after this run's id (``<time>_<name>-<run_id[:8]>``)."""
-    recorded = _recorded_id(*_existing(run_dir))
-    if recorded == run_id or (recorded is None and live_owner(run_dir) is None):
-        return run_dir
-    return run_dir.with_name(f"{run_dir.name}-{run_id[:8]}")
-
-
-def claim(run_dir: Path, config: dict[str, Any], resume: str | None,
-          find: bool) -> tuple[Start, RunLock | None]:
-    """Process 0: the directory this run goes to, claimed, and how it starts there (a run already done
-    needs no claim: nothing is written)."""
-    run_id = config_hash(config)
-    if find and resume == "auto":
-        unfinished = find_unfinished(output_root(), config, run_dir)
-        if unfinished is not None:
-            log.info("continuing the unfinished run of this config in %s (%s)", unfinished.dir,
-                     unfinished.status)
-            run_dir = unfinished.dir
-    if find:
-        run_dir = untaken(run_dir, run_id)
-    done = done_already(run_dir, run_id)
+def claim(run_dir: Path, config: dict[str, Any], resume: str | None) -> tuple[Start, RunLock | None]:
+    """Process 0: ``run_dir`` claimed, and how the run starts there (a run already done needs no claim:
+    nothing is written)."""
+    done = done_already(run_dir, config_hash(config))
     if done is not None:
         return done, None
     lock = RunLock.acquire(run_dir)
     try:
-        return decide_start(run_dir, config, resume), lock
+        start = decide_start(run_dir, config, resume)
+        if start.kind == "fresh":
+            warn_of_namesakes(run_dir, config)
+        return start, lock
     except BaseException:
         lock.release()
         raise
 
 
 # ---------------------------------------------------------------- the run
-def run(cfg: DictConfig, run_dir: str | Path, find_unfinished_run: bool = False,
-        on_start: Callable[[Path], None] | None = None) -> dict[str, Any]:
-    """Run ``cfg.task`` in ``run_dir``; once started, the record is written whether the task completes,
-    diverges or fails. Returns the summary (an existing one when the run was already done).
+def run(cfg: DictConfig, directory: str | Path | None = None,
+        on_decided: Callable[[Path, bool], None] | None = None) -> dict[str, Any]:
+    """Run ``cfg.task`` into its record (in ``directory``; default: the one its identity names) and return
+    the summary -- the existing one when the run was already done.
 
-    Divergence is a result: the record ends ``diverged`` with the step and the last finite metrics, and
-    this returns normally (exit code 0, so a sweep carries on). A stop signal or Ctrl-C ends it
-    ``interrupted`` after the trainer's checkpoint (:class:`Interrupted` propagates).
-    ``find_unfinished_run``: ``run_dir`` is new, made for this command -- continue the unfinished run of the
-    same config instead, if there is one. ``on_start(run_dir)``: called on process 0 once the start is
-    decided, before anything is written (the entry point puts Hydra's files and log there).
+    Divergence is a result: the record ends ``diverged`` and this returns normally (a sweep carries on). A
+    stop signal or Ctrl-C ends it ``interrupted`` after the trainer's checkpoint (:class:`Interrupted`
+    propagates). ``on_decided(run_dir, starts)`` is called on process 0 once the start is decided, before
+    anything is written (the entry point puts Hydra's files there).
     """
-    run_dir = Path(run_dir)
     validate(cfg)
     task = get_task(cfg.task.name)
     prepared = task.prepare(cfg)
@@ -257,42 +196,41 @@ def run(cfg: DictConfig, run_dir: str | Path, find_unfinished_run: bool = False,
     # left when the run ends (Interrupted, UserError: on every process), unless the entry point joined it
     with distributed.process_group(prepared.trainer.device, ends=(UserError, Interrupted)) as world:
         config = resolve(prepared)
+        run_dir = Path(directory) if directory is not None else directory_of(config)
         start = lock = refusal = None
-        if world.is_main:
+        if not world.is_main:
+            logging.getLogger().setLevel(logging.WARNING)  # one process tells the story
+        else:
             try:
-                run_dir = named_after(run_dir, cfg.name, prepared.name)
-                start, lock = claim(run_dir, config, prepared.trainer.resume, find_unfinished_run)
+                start, lock = claim(run_dir, config, prepared.trainer.resume)
             except (UserError, OSError) as e:
                 refusal = as_user_error(e)
-        kind, where, why = distributed.broadcast_object(
-            (start.kind, str(start.run_dir), None) if start else (None, None, str(refusal)))
+        kind, why = distributed.broadcast_object((start.kind, None) if start else (None, str(refusal)))
         if why is not None:
             raise refusal if refusal is not None else UserError(why)
-        cfg, run_dir = prepared, Path(where)
+        cfg = prepared
         try:
+            if world.is_main and on_decided is not None:
+                on_decided(run_dir, kind != "done")
             if kind == "done":
-                return start.summary if start else _done_summary(run_dir)
-            if world.is_main:
-                if on_start is not None:
-                    on_start(run_dir)
-                for path in remove_stale_temporaries(run_dir):
-                    log.info("removed %s (left by a process killed while writing it)", path.name)
-            # every process its own augmentation; DDP shares process 0's
-            seed_everything(cfg.seed + world.rank)
-            mirrors = build_mirrors(cfg, run_dir, config) if world.is_main else []
-            try:
-                record = RunRecord(run_dir, config, mirrors, writes=world.is_main, rows=start and start.rows,
-                                   resume_state=start and start.state, previous=start and start.summary)
-            except OSError as e:
-                raise as_user_error(e) from e
-            return _run_task(task, cfg, record)
+                return start.summary if start else read_summary(run_dir)
+            with run_log(run_dir) if world.is_main else nullcontext():
+                if world.is_main:
+                    for path in remove_stale_temporaries(run_dir):
+                        log.info("removed %s (left by a process killed while writing it)", path.name)
+                # every process its own augmentation; DDP shares process 0's
+                seed_everything(cfg.seed + world.rank)
+                mirrors = build_mirrors(cfg, run_dir, config) if world.is_main else []
+                try:
+                    record = RunRecord(run_dir, config, mirrors, writes=world.is_main,
+                                       rows=start and start.rows, resume_state=start and start.state,
+                                       previous=start and start.summary)
+                except OSError as e:
+                    raise as_user_error(e) from e
+                return _run_task(task, cfg, record)
         finally:
             if lock is not None:
                 lock.release()
-
-
-def _done_summary(run_dir: Path) -> dict[str, Any]:
-    return read_summary(run_dir)
 
 
 def as_user_error(error: BaseException) -> BaseException:

@@ -29,7 +29,8 @@ def root(tmp_path):
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
         final = {"val/top1": top1} if top1 is not None else {}
         (run_dir / "summary.json").write_text(json.dumps(
-            {"run_id": f"r{i}", "status": status, "params": 1000 + i, "metrics": {"final": final}}))
+            {"run_id": f"r{i}", "status": status, "params": 1000 + i, "metrics": {"final": final},
+             "started_at": f"2026-01-01T00:00:0{len(RUNS) - i}+00:00"}))
     return tmp_path
 
 
@@ -40,6 +41,13 @@ def test_groups_filters_and_counts(root, capsys):
     assert lines[1] == "| vit_small | ln | 2 | 81 ± 12.71 (2) | — |  |"  # t(0.975, 1 df) x 1.414 / sqrt 2
     assert lines[2] == "| vit_small | dyt | 2 | 81 (1 run) | — | 1 diverged |"
     assert len(lines) == 3  # swin filtered out
+
+
+def test_groups_in_order_of_their_first_start(root, capsys):
+    main(["--root", str(root), "--sort", "started"])
+    lines = [line.split(" | ")[:2] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert lines[1:] == [["| swin_tiny", "ln"], ["| swin_tiny", "dyt"], ["| vit_small", "dyt"],
+                         ["| vit_small", "ln"]]  # the runs started last-listed first
 
 
 def test_tags_metrics_and_csv(root, capsys):

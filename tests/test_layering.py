@@ -18,7 +18,7 @@ LAYERS = [
     {"tasks"},
     {"config"},
     {"run", "tables"},
-    {"compare", "dashboard", "sync", "analysis"},
+    {"compare", "dashboard", "sync", "analysis", "command_line"},
     {"__main__"},
 ]
 LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}

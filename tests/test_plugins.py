@@ -154,7 +154,7 @@ def test_a_users_table_runs(user_dir):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "Launching 2 jobs" in out.stdout + out.stderr
     runs = {yaml.safe_load((r / "config.yaml").read_text())["norm"]["name"]: json.loads(
-        (r / "summary.json").read_text()) for r in records(user_dir / "out" / "tables")}
+        (r / "summary.json").read_text()) for r in records(user_dir / "out")}
     assert {n: s["status"] for n, s in runs.items()} == {"scaled_rms": "completed", "ln": "completed"}
     assert runs["scaled_rms"]["params"] == mixer_params(WIDTH + 1)
     assert runs["ln"]["params"] == mixer_params(2 * WIDTH)

@@ -34,6 +34,7 @@ from normexp.tracking.records import (
     read_summary,
     write_json_atomic,
 )
+from normexp.tracking.run_dir import run_dir
 
 
 def digest(directory: Path) -> dict[str, str]:
@@ -108,8 +109,8 @@ def test_a_completed_run_is_not_run_again(completed, tmp_path, breakage):
 
 
 def test_the_same_command_continues_its_unfinished_run_and_appends(tmp_path, monkeypatch):
-    """An interrupted run is found by its identity under the output root; its log is appended, not rewritten;
-    the temporary files a killed writer left are removed."""
+    """An interrupted run is continued in its own directory (its identity names it); its log is appended,
+    not rewritten; the temporary files a killed writer left are removed."""
     monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path))
     real_epoch = Trainer.train_one_epoch
 
@@ -119,9 +120,10 @@ def test_the_same_command_continues_its_unfinished_run_and_appends(tmp_path, mon
         return real_epoch(self, epoch)
 
     monkeypatch.setattr(Trainer, "train_one_epoch", crash_in_epoch_2)
-    first = tmp_path / "classification" / "first"
+    first = run_dir(OmegaConf.to_container(quick_cfg(epochs=2), resolve=True))
+    assert first.parent == tmp_path / "classification"
     with pytest.raises(KeyboardInterrupt):
-        run(quick_cfg(epochs=2), first)
+        run(quick_cfg(epochs=2))
     assert read_summary(first)["status"] == "interrupted"
     logged = (first / "metrics.jsonl").read_bytes()
     stale = [first / ".summary.json.12345.0badc0de.tmp", first / "checkpoint.pth.tmp"]
@@ -129,11 +131,9 @@ def test_the_same_command_continues_its_unfinished_run_and_appends(tmp_path, mon
         path.write_text("half written")
     monkeypatch.setattr(Trainer, "train_one_epoch", real_epoch)
 
-    again = tmp_path / "classification" / "again"  # the directory Hydra makes for the rerun
-    again.mkdir()
-    summary = run(quick_cfg(epochs=2), again, find_unfinished_run=True)
+    summary = run(quick_cfg(epochs=2))
     assert summary["status"] == "completed" and read_summary(first)["status"] == "completed"
-    assert not any(again.iterdir())  # nothing written there
+    assert [d.name for d in (tmp_path / "classification").iterdir()] == [first.name]
     assert (first / "metrics.jsonl").read_bytes().startswith(logged)
     assert [r["epoch"] for r in read_metrics(first) if "val/top1" in r] == [1, 2]
     assert not any(path.exists() for path in stale)
@@ -164,25 +164,22 @@ def test_a_killed_attempt_ends_at_its_last_write(completed, tmp_path):
     assert resumed["wall_time_s"] == pytest.approx(100.0 + this["wall_time_s"], abs=0.011)
 
 
-def test_an_unfinished_run_of_the_same_name_but_another_config_is_named(completed, tmp_path, monkeypatch,
-                                                                        caplog):
+def test_an_unfinished_run_of_the_same_name_but_another_config_is_named(completed, tmp_path, caplog):
     """A yaml edited after an interrupt: the same command starts afresh -- and says which unfinished run it
     does not continue, and why."""
-    monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path))
     old = yaml.safe_load((completed / "config.yaml").read_text())
     old["trainer"]["lr"] = 0.004
-    unfinished = tmp_path / "classification" / "before-the-edit"
+    unfinished = run_dir(old, tmp_path)
     shutil.copytree(completed, unfinished)
     (unfinished / "config.yaml").write_text(yaml.safe_dump(old))
     summary = read_summary(unfinished)
     summary.update(status="interrupted", run_id=config_hash(old))
     (unfinished / "summary.json").write_text(json.dumps(summary))
-    fresh = tmp_path / "classification" / "now"
-    fresh.mkdir()
     config = OmegaConf.to_container(quick_cfg(), resolve=True)
-    start, lock = claim(fresh, config, "auto", find=True)
+    fresh = run_dir(config, tmp_path)
+    start, lock = claim(fresh, config, "auto")
     lock.release()
-    assert start.kind == "fresh" and start.run_dir == fresh
+    assert start.kind == "fresh" and start.run_dir == fresh != unfinished
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert said == [f"not continuing the unfinished run of the same name in {unfinished} (interrupted): it "
                     f"differs in trainer.lr: 0.004 -> {config['trainer']['lr']}; this run starts afresh (set "
@@ -198,7 +195,7 @@ def test_a_lock_that_names_no_owner_is_no_obstacle(completed, tmp_path):
     unfinished = copy_of(completed, tmp_path / "unfinished", "interrupted")
     (unfinished / "run.lock").write_text("\x00garbage")
     os.utime(unfinished / "run.lock", (1767225600, 1767225600))
-    start, lock = claim(unfinished, OmegaConf.to_container(quick_cfg(), resolve=True), "auto", find=False)
+    start, lock = claim(unfinished, OmegaConf.to_container(quick_cfg(), resolve=True), "auto")
     assert start.kind == "resume" and lock.owned()
     lock.release()
 
@@ -256,27 +253,16 @@ def test_one_process_holds_a_run_directory(tmp_path, monkeypatch):
         assert read_owner(tmp_path).host == socket.gethostname()
 
 
-def test_two_runs_started_in_the_same_second_get_a_directory_each(tmp_path, monkeypatch):
-    """Hydra names a run's directory after its second and its model: two commands of other configs started
-    together (a script's loop) are two runs, not a refusal."""
-    monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path))
-    shared = tmp_path / "12-00-00_vit_micro-ln-digits-s0"
-    config = {"seed": 0, "trainer": {"lr": 1e-3}, **{g: {"name": g} for g in ("task", "backbone", "norm",
-                                                                              "data")}}
-    with RunLock.acquire(shared):  # the other run has claimed it, nothing written yet
-        start, own = claim(shared, config, "auto", find=True)
-        own.release()
-    assert start.kind == "fresh" and start.run_dir.parent == tmp_path and start.run_dir != shared
-    assert start.run_dir.name.startswith(shared.name + "-")
-    (shared / "config.yaml").write_text(yaml.safe_dump({**config, "seed": 1}))  # ... once it has a config
-    start, own = claim(shared, config, "auto", find=True)
-    own.release()
-    assert start.run_dir == tmp_path / start.run_dir.name != shared
-    # the same config, or a directory given on the command line (find=False), stays where it is
-    (shared / "config.yaml").write_text(yaml.safe_dump(config))
-    start, own = claim(shared, config, "auto", find=True)
-    own.release()
-    assert start.run_dir == shared
+def test_a_runs_identity_names_its_directory(tmp_path):
+    """Every process, requeue and repeated command computes the same directory from the config; what is not
+    part of the identity (loggers, table marks) does not move it; another seed or trial= does."""
+    config = OmegaConf.to_container(quick_cfg(), resolve=True)
+    home = run_dir(config, tmp_path)
+    assert home == tmp_path / "classification" / f"{config['name']}-{config_hash(config)[:8]}"
+    assert run_dir({**config, "logger": {"wandb": {}}, "table": {"id": "t"}}, tmp_path) == home
+    assert run_dir({k: v for k, v in config.items() if k != "trial"}, tmp_path) == home  # made before trial=
+    others = {run_dir({**config, "seed": 1}, tmp_path), run_dir({**config, "trial": 1}, tmp_path)}
+    assert len(others | {home}) == 3
 
 
 def test_json_is_written_through_a_synced_temporary_of_its_own(tmp_path, monkeypatch):

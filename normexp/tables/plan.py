@@ -1,10 +1,8 @@
 """From a table spec and a scale to the runs it needs, and which of them already have a record.
 
-A run is identified by its resolved config (``run_id``, see ``normexp.tracking.provenance.config_hash``):
-each point is composed exactly as the job will be, and a record under ``<output root>/tables/`` with the
-same ``run_id`` and status ``completed`` or ``diverged`` makes the point done -- whichever table ran it.
-Points that compose to the same config (two paper rows on one micro member) share one run. New runs go to
-``<output root>/tables/<scale>/<table>/<name>-<run_id[:8]>``, so re-running a table finds them again.
+Each point is composed exactly as its job will be; its resolved config names the run's directory
+(``normexp.tracking.run_dir``), and a record there that ended ``completed`` or ``diverged`` makes the point
+done -- whichever table or command ran it. Points that compose to the same config share one run.
 """
 
 from __future__ import annotations
@@ -24,20 +22,13 @@ from ..config import validate
 from ..errors import UserError
 from ..tracking.lock import read_owner
 from ..tracking.provenance import config_hash
-from ..tracking.records import DONE, Record, index_records, output_root
+from ..tracking.records import DONE, Record, load_record
+from ..tracking.run_dir import run_dir
 from .spec import Point, Scale, TableSpec, expand_blocks, get_path
 
 log = logging.getLogger(__name__)
 
 ComposeFn = Callable[[list[str]], DictConfig]
-
-
-def tables_root(root: Path | None = None) -> Path:
-    return (root or output_root()) / "tables"
-
-
-def table_dir(table_id: str, scale: str, root: Path | None = None) -> Path:
-    return tables_root(root) / scale / table_id
 
 
 @dataclass
@@ -53,6 +44,7 @@ class PlannedRun:
     run_id: str
     overrides: list[str]
     config: dict[str, Any]
+    dir: Path  # where its record is (normexp.tracking.run_dir)
     points: list[Point] = field(default_factory=list)
     record: Record | None = None
     blocked: str | None = None
@@ -83,7 +75,12 @@ class PlannedRun:
 
     @property
     def dir_name(self) -> str:
-        return f"{self.config.get('name', 'run')}-{self.run_id[:8]}"
+        return self.dir.name
+
+    def read_record(self) -> None:
+        """The record in its directory, if there is one (a damaged one: shown as such, never run over)."""
+        has_record = (self.dir / "summary.json").is_file()
+        self.record = load_record(self.dir, with_config=True) if has_record else None
 
 
 @dataclass
@@ -106,12 +103,11 @@ class TablePlan:
     def damaged(self) -> list[PlannedRun]:
         return [r for r in self.runs if r.damaged]
 
-    def refresh(self, root: Path | None = None) -> None:
+    def refresh(self) -> None:
         """Read the runs' records again (after a launch, or a wait for another process): same runs, new
         statuses."""
-        index = index_records(tables_root(root), with_config=True, damaged=True)
         for run in self.runs:
-            run.record = index.get(run.run_id)
+            run.read_record()
 
     def busy(self) -> list[PlannedRun]:
         """The runs another process is running now (another planner, a SLURM job): waited for."""
@@ -142,18 +138,16 @@ class TablePlan:
                  if p.startswith(("metrics.final.", "metrics.reported."))]
         return next((f"final/{n}" for n in names if n in reported), None)
 
-    def job_overrides(self, run: PlannedRun, root: Path | None = None) -> list[str]:
-        """The overrides of ``run``'s job: its settings, where it lives, which table row it serves and what
-        dashboards call it (``table.*`` is not part of the run's identity)."""
+    def job_overrides(self, run: PlannedRun) -> list[str]:
+        """The overrides of ``run``'s job: its settings, which table row it serves and what dashboards call
+        it (``table.*`` is not part of the run's identity)."""
         point = run.points[0]
         marks = [f"+table.id={self.spec.id}", f"+table.scale={self.scale.name}",
                  f"+table.run_name={_override_value(self.run_name(run))}"]
         metric = self.dashboard_metric(run)
         marks += [f"+table.metric={_override_value(metric)}"] if metric else []
         marks += [f"+table.row.{k}={_override_value(v)}" for k, v in point.labels.items()]
-        where = table_dir(self.spec.id, self.scale.name, root)
-        return [*run.overrides, *marks, f"hydra.sweep.dir={_override_value(where)}",
-                f"hydra.sweep.subdir={_override_value(run.dir_name)}"]
+        return [*run.overrides, *marks]
 
 
 def _override_value(value: Any) -> str:
@@ -177,7 +171,6 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
     as ``normexp.run`` does before it records.
     """
     seeds = tuple(seeds) if seeds else scale.seeds
-    index = index_records(tables_root(root), with_config=True, damaged=True)
     linked: dict[str, list[tuple[Point, PlannedRun]]] = {}
     runs: dict[str, PlannedRun] = {}
     for point in expand_blocks(spec, seeds):
@@ -203,8 +196,9 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
                 validate(cfg, environment=False)
             except UserError as e:
                 raise UserError(f"table {spec.id}: the run {' '.join(overrides)} is invalid: {e}") from None
-            runs[run_id] = PlannedRun(run_id, overrides, config, record=index.get(run_id), blocked=blocked,
+            runs[run_id] = PlannedRun(run_id, overrides, config, run_dir(config, root), blocked=blocked,
                                       needs=needs)
+            runs[run_id].read_record()
         runs[run_id].points.append(point)
     return TablePlan(spec, scale, seeds, list(runs.values()))
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
-
-from omegaconf import read_write
 
 from ..errors import UserError, one_line
 from ..tasks import get_task
 from ..tracking.records import DONE, load_record
-from .plan import PlannedRun, TablePlan, plan_table, table_dir
+from .plan import PlannedRun, TablePlan, plan_table
 from .spec import get_path, load_scale, load_table
 
 
@@ -98,10 +95,9 @@ def print_plan(plan: TablePlan, dry_run: bool) -> None:
 def run_table_sweep(sweeper: Any, arguments: list[str]) -> list[Any]:
     """Plan the table, launch the runs it still needs through the configured launcher, report each.
 
-    The runs go to ``<output root>/tables/<scale>/<table>/<run>`` whatever ``hydra.sweep.dir`` says (each
-    job's overrides set it), because that is where the next planning looks for them. Command-line overrides
-    apply to every run (and so are part of each run's identity); sweeps there are refused: the table spec
-    defines the grid.
+    Each run goes to the directory its identity names, where the next planning looks for it. Command-line
+    overrides apply to every run (and so are part of each run's identity); sweeps there are refused: the
+    table spec defines the grid.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -115,21 +111,17 @@ def run_table_sweep(sweeper: Any, arguments: list[str]) -> list[Any]:
     todo = plan.to_run()
     if sweeper.dry_run or not todo:
         return []
-    out_dir = table_dir(spec.id, scale.name)
-    with read_write(sweeper.config):  # the launcher creates (and submitit writes its logs under) this one
-        sweeper.config.hydra.sweep.dir = str(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     returns = sweeper.launcher.launch([plan.job_overrides(run) for run in todo], initial_job_idx=0)
     print(f"table {spec.id} at scale {scale.name}: launched {len(todo)} run(s)")
-    print_launched(plan, todo, returns, out_dir)
+    print_launched(plan, todo, returns)
     return [returns]
 
 
-def print_launched(plan: TablePlan, runs: list[PlannedRun], returns: list[Any], out_dir: Path) -> None:
+def print_launched(plan: TablePlan, runs: list[PlannedRun], returns: list[Any]) -> None:
     """A line per launched run: the status its record says (``damaged`` if it does not read back, ``no
     record``) and, for a job that ended without a result, why -- as the job reported it, in one line."""
     for run, job in zip(runs, returns, strict=False):
-        record = out_dir / run.dir_name
+        record = run.dir
         status = load_record(record).status if (record / "summary.json").is_file() else "no record"
         error = getattr(job, "_return_value", None)
         why = f" ({one_line(error)})" if status not in DONE and isinstance(error, BaseException) else ""

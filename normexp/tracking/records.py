@@ -520,8 +520,8 @@ def warn_damaged(run_dir: Path, problem: str | None) -> None:
 
 
 # directories under an output root that hold no run records (and can be large)
-NOT_RECORDS = {"wandb", "mlflow", "dataset_cache", "corruption_cache", ".hydra", ".submitit", "__pycache__",
-               "analysis"}
+NOT_RECORDS = {"wandb", "mlflow", "dataset_cache", "corruption_cache", ".hydra", ".submitit", "multirun",
+               "__pycache__", "analysis"}
 
 
 def iter_records(root: Path, with_config: bool = False, damaged: bool = False) -> Iterator[Record]:

@@ -49,7 +49,7 @@ def fabricate(plan, root: Path, diverged: str | None = None) -> None:
     """Records of the planned runs as training leaves them (untrained weights: the analysis reads a model, not
     its accuracy); the run labelled ``diverged`` ends diverged."""
     for run in plan.runs:
-        run_dir = root / "tables" / "smoke" / "fabricated" / run.dir_name
+        run_dir = run.dir
         run_dir.mkdir(parents=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(run.config))
         status = "diverged" if run.config["norm"]["name"] == diverged else "completed"
@@ -107,7 +107,7 @@ def test_the_stability_grid_shows_each_runs_outcome_diverged_ones_included(tmp_p
     spec = load_figure(str(tmp_path / "dyt_stability.yaml"))
     plan = make_plan(spec, "smoke", None, [], root=tmp_path)
     for i, run in enumerate(plan.runs):  # records only: the figure loads no model
-        run_dir = tmp_path / "tables" / "smoke" / "fabricated" / run.dir_name
+        run_dir = run.dir
         run_dir.mkdir(parents=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(run.config))
         factor = run.config["trainer"]["lr_factor"]

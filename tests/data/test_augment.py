@@ -115,6 +115,6 @@ def test_unreadable_image_can_stop_the_run_with_one_line(tmp_path):
     out = run_cli("data=imagenet", f"data.root={root}", "data.num_classes=2", "data.img_size=32",
                   "data.batch_size=2", "data.num_workers=1", "data.on_bad_image=fail",
                   "backbone.patch_size=8", "trainer.epochs=1", "logger=none",
-                  f"hydra.run.dir={tmp_path / 'run'}")
+                  env={"NORMEXP_OUTPUT_DIR": str(tmp_path / "out")})
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith(f"error: cannot read image '{bad}'")

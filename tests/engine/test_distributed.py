@@ -41,12 +41,13 @@ def step_losses(run_dir) -> list[float]:
 
 @pytest.mark.slow
 def test_two_processes_train_what_one_process_trains(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    single = cli(*COMMON, "logger=none", "data.batch_size=64", f"hydra.run.dir={one}")
+    single = cli(*COMMON, "logger=none", "data.batch_size=64",
+                 env={"NORMEXP_OUTPUT_DIR": str(tmp_path / "a")})
     assert single.returncode == 0, single.stderr[-3000:]
-    double = cli(*COMMON, "logger=wandb", "data.batch_size=32", f"hydra.run.dir={two}", nproc=2,
-                 env={"NORMEXP_OUTPUT_DIR": str(tmp_path / "out")})
+    double = cli(*COMMON, "logger=wandb", "data.batch_size=32", nproc=2,
+                 env={"NORMEXP_OUTPUT_DIR": str(tmp_path / "b")})
     assert double.returncode == 0, double.stderr[-3000:]
+    one, two = (next((tmp_path / x).glob("classification/*/summary.json")).parent for x in "ab")
 
     a, b = read_summary(one), read_summary(two)
     assert (a["global_batch"], a["world_size"]) == (64, 1) and (b["global_batch"], b["world_size"]) == (64, 2)
@@ -61,7 +62,7 @@ def test_two_processes_train_what_one_process_trains(tmp_path):
     # one record, one W&B run: process 1 writes nothing
     assert sorted(p.parent for p in tmp_path.glob("**/summary.json")) == sorted([one, two])
     assert len(list((two / "wandb").glob("offline-run-*"))) == 1
-    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["classification"]
 
 
 def test_a_run_leaves_the_process_group_it_joined(tmp_path):

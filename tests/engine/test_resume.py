@@ -24,28 +24,29 @@ ARGS = ["trainer.epochs=2", "trainer.warmup_epochs=0", "trainer.checkpoint_inter
 ENV = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
 
 
-def command(run_dir: Path | None) -> list[str]:
-    """The run's command: in ``run_dir``, or (None) in the directory Hydra names, under the output root."""
-    return [sys.executable, "-m", "normexp", *ARGS, *([f"hydra.run.dir={run_dir}"] if run_dir else [])]
+COMMAND = [sys.executable, "-m", "normexp", *ARGS]
 
 
-def finish(run_dir: Path | None, output: Path | None = None) -> dict:
-    env = {**ENV, "NORMEXP_OUTPUT_DIR": str(output)} if output else ENV
-    done = subprocess.run(command(run_dir), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+def the_record(output: Path) -> Path | None:
+    """The one run directory under ``output`` (the run's identity names it)."""
+    return next((p.parent for p in output.rglob("metrics.jsonl")), None)
+
+
+def finish(output: Path) -> dict:
+    done = subprocess.run(COMMAND, cwd=ROOT, env={**ENV, "NORMEXP_OUTPUT_DIR": str(output)},
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    return read_summary(run_dir) if run_dir else {}
+    return read_summary(the_record(output))
 
 
-def start_until_step(run_dir: Path | None, step: int, output: Path | None = None,
-                     stderr: int | None = subprocess.DEVNULL) -> tuple[subprocess.Popen, int, Path]:
-    """Start the run and return once it has logged ``step`` (and the last step logged, and its directory;
-    ``run_dir`` None: the one Hydra names under ``output``)."""
-    env = {**ENV, "NORMEXP_OUTPUT_DIR": str(output)} if output else ENV
-    process = subprocess.Popen(command(run_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
-                               text=True)
+def start_until_step(output: Path, step: int, stderr: int | None = subprocess.DEVNULL
+                     ) -> tuple[subprocess.Popen, int, Path]:
+    """Start the run and return once it has logged ``step`` (and the last step logged, and its directory)."""
+    process = subprocess.Popen(COMMAND, cwd=ROOT, env={**ENV, "NORMEXP_OUTPUT_DIR": str(output)},
+                               stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     deadline = time.time() + 600
     while time.time() < deadline:
-        found = run_dir or next((p.parent for p in output.rglob("metrics.jsonl")), None)
+        found = the_record(output)
         rows = read_metrics(found) if found and (found / "metrics.jsonl").is_file() else []
         logged = max((r["step"] for r in rows), default=0)
         if logged >= step:
@@ -58,7 +59,7 @@ def start_until_step(run_dir: Path | None, step: int, output: Path | None = None
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
-    return finish(tmp_path_factory.mktemp("uninterrupted") / "run")
+    return finish(tmp_path_factory.mktemp("uninterrupted"))
 
 
 def assert_same_run(resumed_dir: Path, reference: dict) -> None:
@@ -73,38 +74,37 @@ def assert_same_run(resumed_dir: Path, reference: dict) -> None:
 
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_the_same_command(tmp_path, uninterrupted):
-    """kill -9, then the very command again (no directory given): it finds the unfinished run and continues
-    it there, and the one run directory ends as an uninterrupted run does."""
+    """kill -9, then the very command again: it continues the unfinished run in its directory, which ends as
+    an uninterrupted run does."""
     output = tmp_path / "outputs"
-    process, _, run_dir = start_until_step(None, 12, output)
+    process, _, run_dir = start_until_step(output, 12)
     process.kill()
     process.wait()
     state = load_checkpoint(run_dir)
     assert state["epoch"] == 0 and 0 < state["batch"] < 22  # mid-epoch (22 updates per epoch)
     assert read_summary(run_dir)["status"] == "running"
-    finish(None, output)
+    finish(output)
     assert [p.parent for p in output.rglob("summary.json")] == [run_dir]
     assert_same_run(run_dir, uninterrupted)
 
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_after_the_current_step_then_resumes(tmp_path, uninterrupted):
-    run_dir = tmp_path / "run"
-    process, logged, _ = start_until_step(run_dir, 7)
+    process, logged, run_dir = start_until_step(tmp_path, 7)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 128 + signal.SIGTERM
     summary = read_summary(run_dir)
     assert summary["status"] == "interrupted" and "SIGTERM" in summary["error"]
     stopped_at = load_checkpoint(run_dir)["update"]
     assert logged <= stopped_at <= logged + 2  # the update under way finished, no more
-    finish(run_dir)
+    finish(tmp_path)
     assert_same_run(run_dir, uninterrupted)
 
 
 @pytest.mark.slow
 def test_ctrl_c_checkpoints_and_the_command_it_names_continues(tmp_path, uninterrupted):
     output = tmp_path / "outputs"
-    process, logged, run_dir = start_until_step(None, 7, output, stderr=subprocess.PIPE)
+    process, logged, run_dir = start_until_step(output, 7, stderr=subprocess.PIPE)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGINT and "Traceback" not in err
@@ -113,7 +113,7 @@ def test_ctrl_c_checkpoints_and_the_command_it_names_continues(tmp_path, uninter
     assert message.endswith("the same command continues it: python -m normexp " + " ".join(ARGS))
     assert read_summary(run_dir)["status"] == "interrupted"
     assert logged <= load_checkpoint(run_dir)["update"] <= logged + 2
-    finish(None, output)
+    finish(output)
     assert [p.parent for p in output.rglob("summary.json")] == [run_dir]
     assert_same_run(run_dir, uninterrupted)
 
@@ -148,8 +148,8 @@ def test_truncated_checkpoint_is_one_line_and_exit_2(tmp_path):
     save_checkpoint(path, {"model": {"w": torch.ones(1000)}, "epoch": 1})
     path.write_bytes(path.read_bytes()[:700])
     out = run_cli("task=robustness", f"task.checkpoint={path}", "logger=none",
-                  f"hydra.run.dir={tmp_path / 'r'}")
+                  env={"NORMEXP_OUTPUT_DIR": str(tmp_path / "out")})
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert lines[-1].startswith(f"error: cannot read checkpoint '{path}'") and "Traceback" not in out.stderr
-    assert not (tmp_path / "r").exists()  # refused before the run started: nothing written
+    assert not (tmp_path / "out").exists()  # refused before the run started: nothing written

@@ -65,9 +65,8 @@ def fabricated_plan(tmp_path: Path, spec_text: str = SPEC, runs_by_point: dict |
     spec = load_table(str(spec_file))
     runs = []
     for i, ((backbone, norm, seed, *choice), summary) in enumerate((runs_by_point or RUNS).items()):
-        record = None
+        record, run_dir = None, tmp_path / "runs" / f"r{i}"
         if summary is not None:
-            run_dir = tmp_path / "runs" / f"r{i}"
             run_dir.mkdir(parents=True)
             summary = {**summary, "params": PARAMS[backbone], "run_id": f"id{i}",
                        "git": {"commit": "abc123def456", "dirty": False},
@@ -79,7 +78,8 @@ def fabricated_plan(tmp_path: Path, spec_text: str = SPEC, runs_by_point: dict |
             record = Record(run_dir, summary)
         point = Point(overrides=[], seed=seed, labels={"backbone.name": backbone, "norm.name": norm},
                       task="classification", backbone=backbone, choice=choice[0] if choice else None)
-        runs.append(PlannedRun(f"id{i}", [], {"backbone": {"name": f"{backbone}_micro"}}, [point], record))
+        runs.append(PlannedRun(f"id{i}", [], {"backbone": {"name": f"{backbone}_micro"}}, run_dir, [point],
+                               record))
     scale = Scale("smoke", "a test scale", (0, 1, 2), {}, {})
     return TablePlan(spec, scale, (0, 1, 2), runs)
 

@@ -104,7 +104,7 @@ def test_table_runs_skips_and_plans_what_is_missing(tmp_path, capfd, monkeypatch
 
 def record_dirs(root: Path) -> tuple[Path, Path]:
     """The tiny table's run directories: (DyT tanh, DyT identity)."""
-    runs = [d for d in (root / "tables" / "cpu1" / "tiny").iterdir() if (d / "config.yaml").is_file()]
+    runs = [d for d in (root / "classification").iterdir() if (d / "config.yaml").is_file()]
     (tanh,) = [d for d in runs if "squash: tanh" in (d / "config.yaml").read_text()]
     (identity,) = [d for d in runs if "squash: identity" in (d / "config.yaml").read_text()]
     return tanh, identity
@@ -156,7 +156,7 @@ def test_two_planners_at_once_train_every_run_once(tmp_path):
                  for i in range(2)]
     outputs = [p.communicate(timeout=1200)[0] for p in planners]
     assert [p.returncode for p in planners] == [0, 0], outputs
-    runs = sorted((tmp_path / "out" / "tables" / "cpu1" / "pair").glob("*/summary.json"))
+    runs = sorted((tmp_path / "out").glob("classification/*/summary.json"))
     assert len(runs) == 2
     for summary in runs:
         log = (summary.parent / "normexp.log").read_text()

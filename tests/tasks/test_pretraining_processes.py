@@ -33,25 +33,36 @@ TASKS = {
 ENV = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
 
 
-def command(task: str, run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "normexp", *COMMON, *TASKS[task], *extra, f"hydra.run.dir={run_dir}"]
+def command(task: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "normexp", *COMMON, *TASKS[task], *extra]
 
 
-def finish(task: str, run_dir: Path, *extra: str) -> dict:
-    done = subprocess.run(command(task, run_dir, *extra), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=900)
+def in_root(output: Path) -> dict[str, str]:
+    return {**ENV, "NORMEXP_OUTPUT_DIR": str(output)}
+
+
+def record_of(task: str, output: Path) -> Path:
+    """The run's directory under ``output`` (its identity names it; the run may not have started yet)."""
+    found = list(output.glob(f"{task}/*"))
+    return found[0] if found else output / task / "not-started"
+
+
+def finish(task: str, output: Path, *extra: str) -> dict:
+    done = subprocess.run(command(task, *extra), cwd=ROOT, env=in_root(output), capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    return read_summary(run_dir)
+    return read_summary(record_of(task, output))
 
 
 @pytest.mark.parametrize("task", list(TASKS))
 def test_sigkill_mid_epoch_then_the_same_command(tmp_path, task):
     reference = finish(task, tmp_path / "uninterrupted")
-    run_dir = tmp_path / "killed"
-    process = subprocess.Popen(command(task, run_dir), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(command(task), cwd=ROOT, env=in_root(killed), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while time.time() < deadline:
+        run_dir = record_of(task, killed)
         rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
         if max((r["step"] for r in rows), default=0) >= 13:  # into epoch 2 (11 updates each), checkpointed
             break
@@ -63,19 +74,19 @@ def test_sigkill_mid_epoch_then_the_same_command(tmp_path, task):
     assert state["epoch"] == 1 and state["batch"] > 0  # mid-epoch
     if task == "dino":
         assert set(state["task"]) == {"teacher", "center"}
-    resumed = finish(task, run_dir)
+    resumed = finish(task, killed)
     assert resumed["metrics"] == reference["metrics"]
     assert [a["status"] for a in resumed["attempts"]] == ["interrupted", "completed"]
 
 
 @pytest.mark.parametrize("task", list(TASKS))
 def test_two_torchrun_processes_write_one_record(tmp_path, task):
-    run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                            "--master_port=29531", "-m", "normexp", *COMMON, *TASKS[task],
-                           "data.batch_size=16", f"hydra.run.dir={run_dir}"], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=900)
+                           "data.batch_size=16"], cwd=ROOT, env=in_root(tmp_path), capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = record_of(task, tmp_path)
     summary = read_summary(run_dir)
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["global_batch"] == 32
     assert [p.parent for p in tmp_path.rglob("summary.json")] == [run_dir]
@@ -86,19 +97,19 @@ def test_sigkill_while_dit_samples_then_the_same_command(tmp_path):
     others made, and the scores are an uninterrupted run's."""
     slower = ["task.fid.samples=120", "task.sampling_steps=50"]
     reference = finish("dit", tmp_path / "uninterrupted", *slower)
-    run_dir = tmp_path / "killed"
-    process = subprocess.Popen(command("dit", run_dir, *slower), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    shards = run_dir / "shards"
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(command("dit", *slower), cwd=ROOT, env=in_root(killed),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
-    while time.time() < deadline and len(list(shards.glob("shard-*.npz"))) < 3:
+    while time.time() < deadline and len(list(killed.glob("dit/*/shards/shard-*.npz"))) < 3:
         assert process.poll() is None, "the run ended before it was killed"
         time.sleep(0.05)
     process.kill()
     process.wait()
+    shards = record_of("dit", killed) / "shards"
     kept = {p.name: p.stat().st_mtime_ns for p in shards.glob("shard-*.npz")}
     assert 3 <= len(kept) < 12
-    resumed = finish("dit", run_dir, *slower)
+    resumed = finish("dit", killed, *slower)
     assert resumed["metrics"] == reference["metrics"]
     assert all(p.stat().st_mtime_ns == kept[p.name] for p in shards.glob("shard-*.npz") if p.name in kept)
     assert len(list(shards.glob("shard-*.npz"))) == 12 and not list(shards.glob(".*"))

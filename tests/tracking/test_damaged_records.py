@@ -85,9 +85,8 @@ def test_a_table_shows_damaged_records_as_damaged_and_launches_nothing(completed
     scale.write_text(SCALE)
     monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path / "out"))
     plan = table_cli.make_plan(str(spec), str(scale), None, [])
-    where = tmp_path / "out" / "tables" / "records" / "seeds"
     for planned, name in zip(plan.runs, [None, *DAMAGES], strict=True):  # seed 0 good, a damage per seed
-        plant_record(completed, where / planned.dir_name, planned.config, damage=name)
+        plant_record(completed, planned.dir, planned.config, damage=name)
 
     with pytest.raises(SystemExit) as exited:
         table_cli.main(["run", str(spec), "--scale", str(scale), "--out", str(out)])
@@ -95,7 +94,7 @@ def test_a_table_shows_damaged_records_as_damaged_and_launches_nothing(completed
     said = capsys.readouterr()
     assert "0 to run, 0 blocked, 7 damaged" in said.out and "hydra/sweeper=table" not in said.out
     for planned, name in zip(plan.runs[1:], DAMAGES, strict=True):
-        at = where / planned.dir_name
+        at = planned.dir
         if name in IN_SUMMARY_OR_CONFIG:
             assert f"damaged ln (seed {planned.points[0].seed}): {at}: {DAMAGES[name][1]}" in said.out
         else:  # its summary holds the result; the curves leave its log out, and say so
@@ -106,8 +105,8 @@ def test_a_table_shows_damaged_records_as_damaged_and_launches_nothing(completed
 
     # a job the sweeper launched that refused a damaged record: its line says so, no traceback
     damaged = plan.runs[1]
-    refusal = DamagedRecord(where / damaged.dir_name, DAMAGES["summary is a list"][1])
-    print_launched(plan, [damaged], [SimpleNamespace(_return_value=refusal)], where)
+    refusal = DamagedRecord(damaged.dir, DAMAGES["summary is a list"][1])
+    print_launched(plan, [damaged], [SimpleNamespace(_return_value=refusal)])
     line = capsys.readouterr().out.splitlines()[0]
     assert line.split()[0] == "damaged" and "(run record" in line and "summary.json holds a list" in line
 
