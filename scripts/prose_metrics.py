@@ -25,18 +25,25 @@ BUDGET = 0.15
 def counts(source: str) -> tuple[int, int]:
     """(docstring lines, code lines) of one Python source."""
     doc: set[int] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
+    stack: list[ast.AST] = [ast.parse(source)]
+    while stack:  # statements only: a docstring is the first statement of a module, class or function
+        node = stack.pop()
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            first = body[0]
             if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
                     and isinstance(first.value.value, str)):
                 doc.update(range(first.lineno, first.end_lineno + 1))
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            children = getattr(node, field, None)
+            if isinstance(children, list):
+                stack.extend(child for child in children if isinstance(child, ast.AST))
     code: set[int] = set()
     skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
             tokenize.ENCODING, tokenize.ENDMARKER}
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type not in skip:
-            code.update(range(token.start[0], token.end[0] + 1))
+    for kind, _, (first, _), (last, _), _ in tokenize.generate_tokens(io.StringIO(source).readline):
+        if kind not in skip:
+            code.update(range(first, last + 1))
     return len(doc), len(code - doc)
 
 
