@@ -1,23 +1,8 @@
 """Gaussian diffusion as DiT trains and samples it: ADM's formulation (Nichol & Dhariwal 2021, arXiv
 2102.09672; Dhariwal & Nichol 2021, arXiv 2105.05233), which facebookresearch/DiT runs through
-``create_diffusion`` (openai/guided-diffusion ``gaussian_diffusion.py``, ``respace.py``, ``losses.py``).
-
-- Forward process: 1000 linear betas from 1e-4 to 0.02 (scaled by 1000/steps), ``q_sample``, the posterior
-  ``q(x_{t-1} | x_t, x_0)`` with its variance clipped at t=0 to the next one in log space.
-- The model predicts epsilon and, with a learned range (``learn_sigma``), an interpolation ``v`` in [-1, 1]
-  between the log posterior variance and log beta: ``log var = (v+1)/2 log beta + (1-v)/2 log var~``.
-- Training loss (ADM's hybrid with ``use_kl=False``): ``MSE(eps) + L_vb``, the variational bound term in
-  bits per dimension taken with the predicted mean stopped (the epsilon part detached), so that it trains
-  only the variance; at t=0 it is the discretised Gaussian decoder's negative log-likelihood.
-- Respacing: keep a subset of the steps (``"250"``: 250 evenly strided; ``"ddim50"``; ADM's section counts
-  ``"10,15,20"``), each kept step's ``alpha_bar`` unchanged and its beta recomputed as
-  ``1 - alpha_bar_t / alpha_bar_prev_kept``; the model still sees the original step index.
-- Sampling: DDPM ancestral steps from pure noise, the predicted x0 clipped to [-1, 1] or not
-  (``clip_denoised``: ADM's pixel models clip, DiT's ``sample.py`` samples latents unclipped),
-  classifier-free guidance on the sampler (:func:`guided`): scale 1 is the conditional model.
-
-Schedules are computed in float64 and read out as float32 per step, as ADM does. The model is any callable
-``model(x_t, t, **kwargs) -> (B, 2C or C, ...)``: this module knows nothing of DiT.
+``create_diffusion`` (openai/guided-diffusion ``gaussian_diffusion.py``, ``respace.py``, ``losses.py``):
+linear betas, learned-range variance, the hybrid loss ``MSE(eps) + L_vb`` (``L_vb`` trains the variance only),
+respacing and DDPM ancestral sampling. The model is any ``model(x_t, t, **kwargs) -> (B, 2C or C, ...)``.
 """
 
 from __future__ import annotations
@@ -39,9 +24,7 @@ def linear_betas(steps: int = 1000, start: float = 1e-4, end: float = 0.02) -> n
 
 
 def spaced_steps(num_steps: int, spacing: str | int) -> list[int]:
-    """The kept steps of a respaced process (ADM's ``space_timesteps``): ``"ddimN"`` strides evenly from 0;
-    otherwise comma-separated counts, one per equal section of the steps, each section's first and last step
-    kept and the rest spread at a fractional stride, rounded."""
+    """The kept steps of a respaced process (ADM's ``space_timesteps``): ``"ddimN"`` or section counts."""
     spacing = str(spacing)
     if spacing.startswith("ddim"):
         wanted = int(spacing[4:])
@@ -79,8 +62,7 @@ def approx_standard_normal_cdf(x: torch.Tensor) -> torch.Tensor:
 
 def discretized_gaussian_log_likelihood(x: torch.Tensor, mean: torch.Tensor,
                                         log_scale: torch.Tensor) -> torch.Tensor:
-    """log P(x) of data in [-1, 1] quantised to 256 bins of width 2/255 under N(mean, e^(2 log_scale)); the
-    edge bins take the tails. Elementwise, in nats."""
+    """log P(x) of [-1, 1] data quantised to 256 bins under N(mean, e^(2 log_scale)), in nats."""
     centred = x - mean
     inv_std = torch.exp(-log_scale)
     cdf_plus = approx_standard_normal_cdf(inv_std * (centred + 1.0 / 255.0))
@@ -96,8 +78,7 @@ def mean_flat(x: torch.Tensor) -> torch.Tensor:
 
 
 class GaussianDiffusion:
-    """The process for ``betas`` (see the module docstring); ``timestep_map``: the original index of each
-    step (a respaced process), which the model is given."""
+    """The process for ``betas``; ``timestep_map``: the original index of each (respaced) step."""
 
     def __init__(self, betas: np.ndarray, learn_sigma: bool = True,
                  timestep_map: list[int] | None = None) -> None:
@@ -140,7 +121,6 @@ class GaussianDiffusion:
 
     @staticmethod
     def _at(values: np.ndarray, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """``values[t]`` as float32 on ``like``'s device, shaped to broadcast over a batch like ``like``."""
         out = torch.from_numpy(values).to(like.device)[t].float()
         return out.view(-1, *([1] * (like.dim() - 1)))
 
@@ -163,9 +143,7 @@ class GaussianDiffusion:
 
     def p_mean_variance(self, output: torch.Tensor, xt: torch.Tensor, t: torch.Tensor,
                         clip_denoised: bool = False) -> dict[str, torch.Tensor]:
-        """p(x_{t-1} | x_t) from the model's ``output`` at x_t: mean, log-variance and the predicted x_0
-        (clamped to [-1, 1] with ``clip_denoised``: ADM's for pixels; DiT samples latents unclipped).
-        Without ``learn_sigma`` the variance is the clipped posterior one (ADM's FIXED_SMALL)."""
+        """p(x_{t-1} | x_t): mean, log-variance and the predicted x_0 (clamped with ``clip_denoised``)."""
         if self.learn_sigma:
             eps, v = output.split(xt.shape[1], dim=1)
             low = self._at(self.posterior_log_variance_clipped, t, xt)
@@ -183,8 +161,7 @@ class GaussianDiffusion:
 
     def vb_terms_bpd(self, output: torch.Tensor, x0: torch.Tensor, xt: torch.Tensor,
                      t: torch.Tensor) -> torch.Tensor:
-        """The variational bound term per sample in bits per dimension: KL(q posterior || p) for t > 0, the
-        decoder's negative log-likelihood of x_0 at t = 0."""
+        """The variational bound term per sample in bits per dimension (the decoder's NLL at t = 0)."""
         true_mean, _, true_log_variance = self.q_posterior(x0, xt, t)
         p = self.p_mean_variance(output, xt, t)
         kl = mean_flat(normal_kl(true_mean, true_log_variance, p["mean"], p["log_variance"])) / math.log(2.0)
@@ -232,7 +209,6 @@ class GaussianDiffusion:
 
     def p_sample_loop(self, model: Model, noise: torch.Tensor, generator: torch.Generator | None = None,
                       clip_denoised: bool = False, **model_kwargs: Any) -> torch.Tensor:
-        """x_0 from x_T = ``noise`` by ancestral sampling over every step of this process."""
         x = noise
         for x_prev in self.p_sample_loop_progressive(model, noise, generator, clip_denoised, **model_kwargs):
             x = x_prev
@@ -240,11 +216,8 @@ class GaussianDiffusion:
 
 
 def guided(model: Model, scale: float, null_label: int, channels: int) -> Model:
-    """Classifier-free guidance (Ho & Salimans 2022, arXiv 2207.12598) around a class-conditional ``model``:
-    ``eps = eps(x | null) + scale * (eps(x | y) - eps(x | null))`` on the ``channels`` epsilon channels, the
-    variance channels the conditional prediction's. Scale 1 is the conditional model itself (one forward).
-    DiT's ``forward_with_cfg`` guides only the first 3 of the 4 latent channels "for exact reproducibility";
-    this guides all of them, the standard form."""
+    """Classifier-free guidance (Ho & Salimans 2022, arXiv 2207.12598) on all ``channels`` epsilon channels
+    (DiT's ``forward_with_cfg`` guides 3 of 4); scale 1 is the conditional model itself (one forward)."""
     if scale == 1.0:
         return model
 

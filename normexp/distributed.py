@@ -1,15 +1,6 @@
-"""torch.distributed for every task: set up from torchrun's or SLURM's environment, and the few collectives
-the loops and the loaders need (a bottom layer: data, engine and tasks all use it). One process (no
-launcher) is world size 1, and every helper here then does nothing.
-
-- torchrun (``torchrun --nproc_per_node=N -m normexp ...``, multi-node too) sets RANK, WORLD_SIZE,
-  LOCAL_RANK, MASTER_ADDR and MASTER_PORT;
-- SLURM (Hydra's submitit launcher with ``tasks_per_node > 1`` or several nodes) sets SLURM_PROCID,
-  SLURM_NTASKS and SLURM_LOCALID; the master address is the job's first host and the port is derived
-  from the job id (as submitit's ``TorchDistributedEnvironment`` does).
-
-The backend is NCCL when the processes train on CUDA, gloo otherwise (CPU runs and tests).
-"""
+"""torch.distributed for every task, set up from torchrun's (RANK, WORLD_SIZE, ...) or SLURM's environment
+(the port derived from the job id, as submitit's ``TorchDistributedEnvironment``), and the few collectives
+the loops need; alone, every helper does nothing. NCCL on CUDA, gloo otherwise."""
 
 from __future__ import annotations
 
@@ -125,8 +116,7 @@ def joined() -> bool:
 
 
 def shutdown() -> None:
-    """Leave the process group, if this process is in one: together (a barrier first), so that no process
-    tears down the rendezvous store while another still talks to it."""
+    """Leave the process group, if in one, after a barrier."""
     if joined():
         dist.barrier()
         dist.destroy_process_group()
@@ -134,12 +124,8 @@ def shutdown() -> None:
 
 @contextmanager
 def process_group(device: str = "auto", ends: tuple[type[BaseException], ...] = ()) -> Iterator[DistInfo]:
-    """:func:`init_distributed` for the block, and :func:`shutdown` at its end if the block joined the group
-    (one joined before -- by the entry point under torchrun -- is its to leave: the runs of a sweep share it).
-
-    The group is left when the block ends normally or with one of ``ends`` (endings every process reaches
-    together); on any other exception it is kept: leaving waits for the collectives still pending, which
-    after one process failed alone may never complete."""
+    """:func:`init_distributed` for the block, and :func:`shutdown` at its end if the block joined and it
+    ended normally or with one of ``ends``; otherwise the group is kept (leaving could hang)."""
     joined_before = joined()
     world = init_distributed(device)
     try:

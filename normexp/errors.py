@@ -1,6 +1,5 @@
-"""How a run ends other than by completing, as exceptions the layers above catch: a mistake of the user's
-(:class:`UserError`: one line, exit code 2), divergence (:class:`Diverged`: a result), a stop signal
-(:class:`Interrupted`: checkpointed, to be continued)."""
+"""How a run ends other than by completing: :class:`UserError` (one line, exit code 2), :class:`Diverged` (a
+result), :class:`Interrupted` (checkpointed, to be continued)."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ class UserError(Exception):
 
 
 def one_line(error: BaseException) -> str:
-    """The message of ``error`` as one line -- also when a loader worker raised it and PyTorch re-raised it
-    with the worker's traceback in the message."""
+    """The message of ``error`` as one line, also when a loader worker raised it."""
     text = str(error).strip()
     if "Traceback" in text:
         text = text.splitlines()[-1].split(f"{type(error).__name__}: ", 1)[-1]
@@ -28,9 +26,8 @@ RETRY_AFTER_FIX = "run the same command again (a run continues from its last che
 
 def storage_error(error: OSError, hint: str = "give an output root you can write: NORMEXP_OUTPUT_DIR=<dir>"
                   ) -> UserError | None:
-    """A file-system error the user fixes -- no space, a quota or file-size limit, storage that is read-only
-    or not theirs, a file where a directory belongs -- as one line: what, where, what to do (``hint``:
-    where else to write). None for any other error."""
+    """A file-system error the user fixes (no space, quota, read-only, a file for a directory) as one line
+    (``hint``: where else to write); None for any other error."""
     where = error.filename
     said = f"{error.strerror}: '{where}'" if where is not None else str(error.strerror)
     if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -57,10 +54,8 @@ class Diverged(Exception):
 
 
 class Interrupted(BaseException):
-    """A stop signal arrived; the trainer checkpointed after the current update. Not an error of the run.
-
-    ``hand_over()``, once the record says so, gives the signal to the handler that was installed before
-    the trainer's (submitit's, which requeues the job)."""
+    """A stop signal arrived; the trainer checkpointed after the current update. ``hand_over()`` passes the
+    signal to the previous handler (submitit's, which requeues)."""
 
     def __init__(self, signum: int, step: int, hand_over: Any = None) -> None:
         super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved")

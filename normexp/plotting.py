@@ -1,10 +1,5 @@
-"""One look for every figure normexp draws: each normalizer has its colour, the same in every plot.
-
-``norm_color("dyt")`` is DyT's colour wherever DyT appears (tables' bars and curves, and any later figure);
-variants of one normalizer in one figure (DyT's squash functions, alpha settings) share its colour and differ
-by hatch (bars) or line style (curves), in the order they first appear (:func:`member_styles`), or by
-lightness where order means depth (:func:`shades`).
-"""
+"""One colour per normalizer in every figure (:func:`norm_color`); variants of one differ by hatch or line
+style (:func:`member_styles`) or lightness (:func:`shades`)."""
 
 from __future__ import annotations
 
@@ -35,8 +30,8 @@ def norm_color(name: str | None) -> str:
 
 
 def member_styles(members: Iterable[tuple[str | None, Hashable]]) -> dict[Hashable, dict[str, Any]]:
-    """The style of each member of a figure, given as ``(normalizer, member)`` in order: its normalizer's
-    colour, and -- the k-th member with that normalizer -- the k-th hatch and line style."""
+    """Per ``(normalizer, member)``: its normalizer's colour and, the k-th such member, the k-th hatch and
+    line style."""
     styles: dict[Hashable, dict[str, Any]] = {}
     seen: dict[str | None, int] = {}
     for norm, member in members:
@@ -50,8 +45,7 @@ def member_styles(members: Iterable[tuple[str | None, Hashable]]) -> dict[Hashab
 
 
 def shades(color: str, n: int, lightest: float = 0.75) -> list[str]:
-    """``n`` shades of ``color`` from light (mixed ``lightest`` with white) to the colour itself: one hue
-    per normalizer, its depth or order shown by lightness."""
+    """``n`` shades of ``color`` from light (mixed ``lightest`` with white) to the colour itself."""
     from matplotlib.colors import to_hex, to_rgb
 
     rgb = to_rgb(color)

@@ -1,20 +1,7 @@
-"""A user's own normalizers and backbone families, from modules of their own, with no edit of normexp.
-
-A plugin is a Python module that registers what it defines when it is imported (``@register_norm("name")``
-on a normalizer class, ``@register_model`` on a backbone constructor). Two ways name one:
-
-- the config's ``plugins`` list: ``plugins=[mynorms]`` -- a module importable from ``sys.path``
-  (``PYTHONPATH=.`` for ``./mynorms.py``), or ``plugins=[path/to/mynorms.py]`` -- a file, relative to the
-  working directory;
-- an installed package's entry point in the group ``normexp.plugins`` (``[project.entry-points.
-  "normexp.plugins"] mynorms = "mypackage.mynorms"``): imported in every run.
-
-:func:`load_plugins` imports them; ``normexp.config.validate`` calls it first, so every process that
-validates a config -- which is every process that builds a model (the command line, each job a table or a
-sweep launches, every torchrun worker, every submitit job) -- has them before a name is looked up. Importing
-is idempotent: a module is imported once per process. The yaml of a plugin's norm, backbone or table is
-found on Hydra's search path: ``hydra.searchpath=[file://<dir>/configs]``.
-"""
+"""A user's own normalizers and backbone families, with no edit of normexp (docs/extending.md): modules that
+register on import, named by the config's ``plugins`` (a module name or a ``.py`` path) or by an installed
+package's ``normexp.plugins`` entry point. ``normexp.config.validate`` loads them first, so every process
+that builds a model has them; their yamls are found on Hydra's search path."""
 
 from __future__ import annotations
 

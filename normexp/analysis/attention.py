@@ -1,29 +1,9 @@
 """Mean attention distance per head and layer (ViT, Dosovitskiy et al., ICLR 2021, arXiv 2010.11929, Fig. 7
-right and App. D.7; the DTN README's ``DTN_Head.png``, wqshao126/DTN).
-
-For a query token q, the attention-weighted mean distance in pixels between its patch centre and the centres
-of the keys it attends to, ``d_q = sum_k A_qk |p_q - p_k|``; averaged over the grid queries and the images,
-per head. Class and distillation tokens have no position: they are left out as queries, their key weights
-are dropped and the weights over the grid keys renormalised to sum to 1 (a head that attends only to the
-class token has no distance).
-
-*Reading the weights.* Every timm-style attention module (``fused_attn`` switch, ``attn_drop`` applied to the
-softmaxed weights: timm's ViT / DeiT ``Attention``, which T2T-ViT's blocks use, timm's PVT v2 and Swin
-attention, this suite's PVT spatial-reduction attention) computes its weights explicitly when
-``fused_attn`` is off, and hands them to ``attn_drop`` -- an identity in eval -- whose forward hook reads
-them: the exact weights the model uses, no re-implementation (``tests/analysis`` checks them against the
-module's own output).
-
-*Where the tokens are.* The query grid is the token layout the backbone contract gives the norm slots of
-the attention's block (``norm_context``); prefix tokens are the leading ``N - H*W``. Keys on the same grid,
-or -- spatial-reduction attention (PVT v1 / v2) -- on the reduced grid of the norm slot inside the attention
-module. A token's centre is the centre of its cell when the grid partitions the image uniformly:
-``(i + 0.5) * image / grid`` along each axis.
-
-*Where it does not apply* (said in the output, never a crash): windowed attention (Swin: the queries of a
-window, not of the stage grid; a distance would be bounded by the window), attention modules whose weights
-cannot be read this way (LeViT's, with learned attention biases; T2T-ViT's single-head T2T layers), and
-models without attention (ConvNeXt).
+right and App. D.7; the DTN README's ``DTN_Head.png``, wqshao126/DTN): ``d_q = sum_k A_qk |p_q - p_k|`` in
+pixels between patch centres, averaged over grid queries and images; prefix tokens are dropped and the grid
+weights renormalised. The weights are read by a hook on ``attn_drop`` of timm-style attention with
+``fused_attn`` off (no re-implementation); the grids come from ``norm_context``. Windowed (Swin) and
+unreadable attention (LeViT, T2T layers) and attention-free models are reported as such, never a crash.
 """
 
 from __future__ import annotations
@@ -41,8 +21,7 @@ from .slots import norm_slot_names, slot_context
 
 
 def cell_centres(grid: tuple[int, int], image: tuple[int, int]) -> torch.Tensor:
-    """(H*W, 2) pixel coordinates (row, col) of the cell centres of ``grid`` over an ``image`` (H, W) in px,
-    raster order."""
+    """(H*W, 2) pixel coordinates (row, col) of the cell centres of ``grid`` over an ``image`` in px."""
     h, w = grid
     rows = (torch.arange(h, dtype=torch.float64) + 0.5) * image[0] / h
     cols = (torch.arange(w, dtype=torch.float64) + 0.5) * image[1] / w
@@ -52,12 +31,8 @@ def cell_centres(grid: tuple[int, int], image: tuple[int, int]) -> torch.Tensor:
 def mean_distances(attn: torch.Tensor, query_grid: tuple[int, int], key_grid: tuple[int, int],
                    image: tuple[int, int], query_prefix: int = 0,
                    key_prefix: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per image and head, the sum over grid queries of their mean attention distance, and the number of
-    queries counted: ((B, H), (B, H)); their ratio, summed over images first, is the mean distance.
-
-    ``attn``: (B, heads, prefix + query tokens, prefix + key tokens), rows summing to 1. Prefix keys are
-    dropped and the grid weights renormalised; a query giving its grid keys no weight is not counted.
-    """
+    """((B, H), (B, H)): per image and head, the summed mean distance of the grid queries and their count.
+    ``attn``: (B, heads, queries, keys), rows summing to 1."""
     a = attn[:, :, query_prefix:, key_prefix:].double()
     nq, nk = query_grid[0] * query_grid[1], key_grid[0] * key_grid[1]
     if a.shape[-2:] != (nq, nk):
@@ -145,8 +120,8 @@ def _inner_context(model: nn.Module, attn_name: str, slots: list[str]) -> dict[s
 
 
 class AttentionRecorder:
-    """Hooks every readable attention module of ``model`` (see the module docstring), accumulates the
-    distances; ``keep_weights`` also keeps each module's weights of the last batch (``weights``)."""
+    """Hooks every readable attention module of ``model`` and accumulates the distances; ``keep_weights``
+    also keeps each module's weights of the last batch (``weights``)."""
 
     def __init__(self, model: nn.Module, image: tuple[int, int], keep_weights: bool = False) -> None:
         self.model, self.image = model, image

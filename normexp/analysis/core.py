@@ -1,14 +1,7 @@
 """Load a trained run and analyse it: the numbers behind ``normexp analyze`` and ``make figure-*``.
-
-:func:`load_run` rebuilds the backbone from the run's record -- its resolved ``config.yaml`` and the
-backbone weights its task finds in ``checkpoint.pth`` (``Task.backbone_weights``: a classifier's EMA weights
-when its recipe reports them, ``trainer.ema.reported``, as the tables do) -- and refuses what is not a trained
-model (no checkpoint, a diverged or failed run, a task whose checkpoint holds no backbone) with one line.
-:func:`sample_images` draws a fixed, seeded set of validation images. :func:`analyse` runs them through the
-model once (in batches) as its task feeds it (``Task.model_input``: a DiT sees them noised at seeded steps,
-with their labels), with the hooks of every requested analysis on at the same time, and returns a
-:class:`RunAnalysis`.
-"""
+:func:`load_run` rebuilds the backbone from the run's record (the weights its task reports);
+:func:`analyse` runs seeded validation images through it once, as its task feeds it, with every requested
+analysis hooked."""
 
 from __future__ import annotations
 
@@ -62,7 +55,7 @@ class LoadedRun:
 
 
 def load_run(run_dir: str | Path, ema: bool | None = None) -> LoadedRun:
-    """The trained model of ``run_dir`` (see the module docstring); bad input raises one-line UserErrors."""
+    """The trained model of ``run_dir``; a missing checkpoint or a failed run raises a one-line UserError."""
     from ..tasks import get_task
 
     run_dir = Path(run_dir)
@@ -102,9 +95,7 @@ def status_note(run: LoadedRun) -> list[str]:
 
 def sample_images(config: dict[str, Any], count: int, seed: int, transform: Any = None
                   ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """``count`` validation images of the run's data (through ``transform``, a task's ``eval_transform``;
-    None: the data's own) with their labels, drawn by a generator seeded with ``seed``; the same run, count
-    and seed give the same images."""
+    """``count`` validation images of the run's data with their labels, seeded by ``seed``."""
     from ..data import build_classification_data
 
     data_cfg = OmegaConf.create(config["data"])
@@ -205,10 +196,8 @@ def analyse(run: LoadedRun, analyses: list[str], images: int = 16, seed: int = 0
             io_slots: list[str] | None = None, io_points: int = 2000, token_slot: str | None = None,
             device: str = "cpu", io_patterns: list[str] | None = None, io_max: int | None = MAX_IO_SLOTS
             ) -> RunAnalysis:
-    """Run ``images`` seeded validation images through ``run``'s model with the hooks of ``analyses`` on.
-
-    The io slots: ``io_slots``, else those matching ``io_patterns`` (fnmatch; all when None), at most
-    ``io_max`` of them evenly spaced in depth."""
+    """Run ``images`` seeded validation images through ``run``'s model with the hooks of ``analyses`` on;
+    io slots: ``io_slots``, else up to ``io_max`` matching ``io_patterns``, evenly spaced in depth."""
     unknown = [a for a in analyses if a not in ANALYSES]
     if unknown:
         raise UserError(f"unknown figure(s) {unknown}; available: {', '.join(ANALYSES)}")

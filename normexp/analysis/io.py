@@ -1,18 +1,6 @@
-"""Input-output maps of norm slots (DyT, Zhu et al., CVPR 2025, arXiv 2503.10622, Sec. 3, Figs. 2 and 4).
-
-:class:`IOSampler` hooks the norm slots and keeps, for each, a seeded sample of (input, output) element pairs
--- exactly what the slot received and returned -- together with the output *before* the slot's
-per-channel affine (DyT Fig. 2 plots LN's output before its affine: the affine of each channel would blur the
-curve), and where each element sits (image, token, channel). Beside the uniform sample it keeps every
-channel of a few tokens of the first image and every token of the few channels with the largest inputs:
-DyT Fig. 4 colours its points by token (each token a straight line, of slope 1 / its std) and by channel
-(a few channels carry the extreme inputs that the S-curve squashes).
-
-:func:`fit_tanh` fits ``y = a * tanh(b * x) + c`` by least squares (for a fixed b, a and c are linear, so the
-fit is a one-dimensional search over b with a and c in closed form), with its R^2, the R^2 of the best
-straight line, and the fraction of points in the saturated region ``|b x| > SATURATION`` (there the curve's
-slope is under 7 % of its slope at 0).
-"""
+"""Input-output maps of norm slots (DyT, Zhu et al., CVPR 2025, arXiv 2503.10622, Sec. 3, Figs. 2 and 4):
+a seeded sample of each slot's (input, output) elements with the output before its affine (Fig. 2), plus
+highlighted tokens and channels (Fig. 4), and :func:`fit_tanh`, a least-squares ``a tanh(b x) + c`` fit."""
 
 from __future__ import annotations
 
@@ -40,10 +28,9 @@ HIGHLIGHT = 4     # tokens and channels shown in colour
 
 @dataclass
 class SlotSample:
-    """The sampled elements of one slot. ``points``: arrays over the uniform sample (``x``, ``y``, ``y_pre``,
-    ``image``, ``token``, ``channel``); ``tokens`` / ``channels``: the same arrays for every channel of the
-    highlighted tokens / every position of the highlighted channels. ``token`` is the grid index in raster
-    order, -1 for a prefix (class / distillation) token or a pooled vector."""
+    """The sampled elements of one slot: ``points`` (``x``, ``y``, ``y_pre``, ``image``, ``token``,
+    ``channel``), and the same for the highlighted ``tokens`` / ``channels``; ``token`` -1: a prefix token or
+    a pooled vector."""
 
     name: str
     kind: str
@@ -79,12 +66,8 @@ def _flat_positions(t: torch.Tensor, fmt: str, layout: Any) -> tuple[torch.Tenso
 
 
 class IOSampler:
-    """Forward-hook callback keeping a seeded sample of each slot's (input, output) elements.
-
-    ``points``: uniform sample size per slot over the whole forward set (split over the batches in proportion
-    to their size); ``total_images``: images that will pass (for that split). The sample of slot k, batch j
-    is drawn with a generator seeded by (seed, k, j): the same images give the same points.
-    """
+    """Forward-hook callback keeping ``points`` seeded samples per slot over ``total_images``; the same
+    images give the same points."""
 
     def __init__(self, model: nn.Module, names: list[str], points: int = 2000, seed: int = 0,
                  total_images: int | None = None, highlight: int = HIGHLIGHT) -> None:
@@ -175,8 +158,7 @@ def _linear_in_ac(t: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
 
 
 def fit_tanh(x: np.ndarray, y: np.ndarray) -> TanhFit:
-    """Least-squares ``y = a tanh(b x) + c`` (b > 0). A near-linear cloud ends at the smallest b searched
-    (b x << 1 everywhere, where a tanh(b x) is a straight line of slope a b): R^2 then equals the line's."""
+    """Least-squares ``y = a tanh(b x) + c`` (b > 0); a near-linear cloud gets the line's R^2."""
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     scale = float(np.abs(x).max()) if len(x) else 0.0
     if len(x) < 3 or scale == 0 or not np.isfinite(scale):

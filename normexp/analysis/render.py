@@ -1,9 +1,5 @@
-"""Draw the analyses (matplotlib, Agg) and write the numbers behind each picture beside it.
-
-Every function takes a list of :class:`LabelledRun` -- one for ``normexp analyze``, several side by side for a
-figure spec -- so a run's analysis and a paper figure are drawn by the same code. Each normalizer has its
-colour from :func:`normexp.plotting.norm_color` in every figure.
-"""
+"""Draw the analyses (matplotlib, Agg) with the numbers behind each picture beside it; a run's analysis and
+a paper figure are drawn by the same code, each normalizer in its ``normexp.plotting`` colour."""
 
 from __future__ import annotations
 
@@ -84,8 +80,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def _json_default(value: Any) -> Any:
-    """``json.dumps``' default for what it cannot write: numpy numbers and arrays as Python ones (values as
-    they are, NaN included), anything else as its str."""
+    """``json.dumps``' default: numpy numbers and arrays as Python ones, anything else as its str."""
     if isinstance(value, (np.floating, np.integer)):
         return value.item()
     if isinstance(value, np.ndarray):
@@ -137,8 +132,7 @@ def _io_panel(ax: Any, shown: LabelledRun, slot: str, color_by: str) -> dict[str
 
 def _grid(nrow: int, ncol: int, panel: tuple[float, float], margins: tuple[float, float, float, float],
           gaps: tuple[float, float]) -> tuple[Any, Any]:
-    """A figure of nrow x ncol panels of ``panel`` inches, ``margins`` (left, right, top, bottom) and ``gaps``
-    (between columns, between rows) in inches: laid out once, no tight_layout pass (many panels)."""
+    """A figure of nrow x ncol panels laid out once in inches (no tight_layout pass)."""
     plt = _plt()
     (pw, ph), (left, right, top, bottom), (wgap, hgap) = panel, margins, gaps
     width = left + right + ncol * pw + (ncol - 1) * wgap
@@ -192,8 +186,7 @@ def plot_io(runs: list[LabelledRun], slots: list[list[str]], path: Path, color_b
 
 def io_point_rows(runs: list[LabelledRun], slots: list[list[str]],
                   color_by: str | None = None) -> list[dict[str, Any]]:
-    """Every plotted point: run, slot, which set (uniform / token / channel), where it sits, x, y, y_pre
-    (``color_by``: only the highlighted set drawn in that mode; None: both)."""
+    """Every plotted point: run, slot, set (uniform / token / channel), position, x, y, y_pre."""
     out = []
     for shown, run_slots in zip(runs, slots, strict=True):
         for slot in run_slots:
@@ -212,8 +205,7 @@ def io_point_rows(runs: list[LabelledRun], slots: list[list[str]],
 # ---------------------------------------------------------------- alpha
 def plot_alpha(runs: list[LabelledRun], path: Path, title: str = "", caption: str = ""
                ) -> list[dict[str, Any]]:
-    """Left: alpha (solid) and 1/std (dashed) over the epochs for the first, middle and last DyT layer.
-    Right: every layer's final alpha against 1/std of its input, lighter to darker with depth (DyT Fig. 8)."""
+    """alpha and 1/std over the epochs, and every layer's final alpha against 1/std (DyT Fig. 8)."""
     plt = _plt()
     fig, (ax_t, ax_f) = plt.subplots(1, 2, figsize=(11, 4.6))
     markers = "osD^v"
@@ -277,8 +269,7 @@ def alpha_history_rows(runs: list[LabelledRun]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- tokens
 def plot_tokens(runs: list[LabelledRun], path: Path, title: str = "", caption: str = ""
                 ) -> list[dict[str, Any]]:
-    """Rows: runs; columns: the image, then each head's token magnitudes at the slot input, then output,
-    each divided by its own mean over the tokens (1 = an average token), on one colour scale."""
+    """Per run: the image, then each head's token magnitudes at the slot input and output (mean 1)."""
     plt = _plt()
     heads = max(s.analysis.tokens.heads for s in runs)  # type: ignore[union-attr]
     ncol = 1 + 2 * heads
@@ -325,8 +316,7 @@ def plot_tokens(runs: list[LabelledRun], path: Path, title: str = "", caption: s
 # ---------------------------------------------------------------- attention
 def plot_attention(runs: list[LabelledRun], path: Path, title: str = "", caption: str = ""
                    ) -> list[dict[str, Any]]:
-    """One panel per run: each attention layer's heads as dots (mean attention distance in px), the mean
-    over heads as a bar, and what uniform attention over the layer's grid would give (grey dash)."""
+    """Per run: each attention layer's heads' mean distance, their mean, and uniform attention's."""
     plt = _plt()
     computed = [s for s in runs if s.analysis.attention and s.analysis.attention.layers]
     fig, axes = plt.subplots(1, max(len(computed), 1), figsize=(max(3.8 * len(computed), 5.5), 4.2),
@@ -380,9 +370,7 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def plot_stability(cells: list[dict[str, Any]], path: Path, x: str, y: str, title: str = "",
                    caption: str = "") -> None:
-    """One panel per ``panel`` label (a model and normalizer), ``x`` across and ``y`` down: each cell a run's
-    outcome -- its top-1 (colour), ``div@<step>`` (diverged, red) or why it has none (grey) -- as DyT Fig. 10
-    draws its stability grid."""
+    """Per ``panel`` label, a grid of runs' outcomes over ``x`` and ``y``, as DyT Fig. 10 draws it."""
     plt = _plt()
     panels = list(dict.fromkeys(c["panel"] for c in cells))
     def order(values: set[Any]) -> list[Any]:  # numbers ascending; a run without the key (None) first

@@ -1,19 +1,6 @@
-"""The norm slots of a built model, hooked: what each slot sees and what it returns.
-
-A *norm slot* is what :mod:`normexp.norms.placement` swaps: every LayerNorm / BatchNorm / GroupNorm the model
-was built with. Once the placement has put a normalizer there, the slot holds that normalizer instead, so
-the slots of a built model are its outermost modules that are either a slot type or a registered normalizer
-(``norm_slot_names``) -- the same names, in module order, that ``placement.norm_slots`` lists for the
-model as built. Their context (block, heads, token layout) comes from the model's ``norm_context``, as
-the placement's does: no family needs code here.
-
-Tensors a slot sees come in three layouts (``slot_format``): (B, N, C) tokens, whose grid and prefix
-(class / distillation) tokens are the slot's :class:`TokenLayout`; (B, H, W, C) channels-last maps and
-(B, C, H, W) channels-first maps, whose grid is in the shape; and (B, C) pooled vectors (no grid). A per-head
-slot (an attention's q / k / v norm) sees (B * heads, N, head_dim): :func:`unfold_heads` gives its block's
-(B, N, heads * head_dim) tokens back, so images, tokens and heads are counted as for any slot.
-:func:`grid_tokens` brings all of them to (B, grid tokens, C) plus the prefix tokens.
-"""
+"""The norm slots of a built model, hooked: what each slot sees and returns, as (B, grid tokens, C) plus
+prefix tokens whatever its layout (tokens, maps either way, pooled vectors, per-head folds). The slot names
+and contexts are the placement's (``norm_context``): no family needs code here."""
 
 from __future__ import annotations
 
@@ -35,8 +22,7 @@ def _slot_types() -> tuple[type[nn.Module], ...]:
 
 
 def norm_slot_names(model: nn.Module) -> list[str]:
-    """Names of the norm slots of a built model, in module order (outermost slot modules only: a
-    normalizer that holds a BatchNorm child is one slot)."""
+    """Names of the norm slots of a built model, in module order (outermost slot modules only)."""
     types = _slot_types()
     names: list[str] = []
     for name, module in model.named_modules():
@@ -63,8 +49,8 @@ def slot_context(model: nn.Module, name: str) -> dict[str, Any]:
 
 @dataclass
 class Tokens:
-    """A slot tensor as tokens: ``grid`` (B, H*W, C) in raster order, ``prefix`` (B, P, C), ``shape`` (H, W)
-    or None for pooled vectors (then ``grid`` holds the (B, 1, C) vector and ``prefix`` is empty)."""
+    """A slot tensor as tokens: ``grid`` (B, H*W, C), ``prefix`` (B, P, C), ``shape`` (H, W) or None
+    (pooled)."""
 
     grid: torch.Tensor
     prefix: torch.Tensor
@@ -95,9 +81,8 @@ def grid_tokens(t: torch.Tensor, data_format: str, layout: Any = None) -> Tokens
 
 
 def unfold_heads(t: torch.Tensor, layout: Any) -> tuple[torch.Tensor, Any]:
-    """A per-head slot's tensor -- (B * heads, N, head_dim), the heads folded into the batch (an attention's
-    q / k / v norm: layout :class:`normexp.norms.layout.FoldedHeads`) -- as the (B, N, heads * head_dim)
-    tokens of its block, with the block's layout; any other tensor and layout as they are."""
+    """A per-head slot's (B * heads, N, head_dim) tensor as its block's (B, N, C) tokens and layout; others
+    as they are."""
     if t.dim() != 3 or not hasattr(layout, "unfold"):
         return t, layout
     return layout.unfold(t), layout.layout
@@ -138,8 +123,7 @@ def affine_params(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor 
 
 @torch.no_grad()
 def without_affine(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The slot's output for ``x`` before its per-channel affine: the layer run once more with weight 1 and
-    bias 0 (``module.forward``: no hooks), its parameters restored after. What DyT Fig. 2 plots for LN."""
+    """The slot's output for ``x`` before its per-channel affine (what DyT Fig. 2 plots for LN)."""
     weight, bias = affine_params(module)
     saved = [(p, p.detach().clone()) for p in (weight, bias) if p is not None]
     try:

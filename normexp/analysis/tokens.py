@@ -1,11 +1,5 @@
-"""Token magnitudes per head on the patch grid (DTN, Shao et al., ICLR 2022, arXiv 2112.02624, Fig. 1).
-
-For one image, at the input and the output of one norm slot: the L2 norm of each grid token's embedding,
-split into the slot's heads (``x.view(..., heads, head_dim).norm(dim=-1)``, heads from the backbone's
-``norm_context``), as an (H, W) map per head. DTN's Fig. 1 contrasts LN, which equalises the magnitudes of
-the tokens (every token is scaled to the same norm over all its channels), with DTN, which keeps part of
-their variation across positions. Prefix (class / distillation) tokens are not on the grid and are left out.
-"""
+"""Token magnitudes per head on the patch grid (DTN, Shao et al., ICLR 2022, arXiv 2112.02624, Fig. 1): the
+L2 norm of each grid token's slice per head at a slot's input and output, as an (H, W) map per head."""
 
 from __future__ import annotations
 
@@ -73,8 +67,7 @@ class TokenRecorder:
 
 
 def default_token_slot(model: nn.Module, names: list[str]) -> str:
-    """The first block's first norm slot on the block's tokens (DTN Fig. 1's; not a per-head q / k / v
-    norm), else the first slot."""
+    """The first block's first (not per-head) norm slot, as DTN Fig. 1; else the first slot."""
     for name in names:
         context = slot_context(model, name)
         if context.get("block") == 0 and not hasattr(context.get("layout"), "unfold"):

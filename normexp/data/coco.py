@@ -1,17 +1,7 @@
-"""COCO-format detection data: the standard COCO 2017 tree, or the embedded ``coco_digits`` generated as one.
-
-Layout: ``<root>/annotations/instances_<split>.json`` and ``<root>/<split>/<file_name>``. Annotation files are
-checked field by field before use (a malformed one stops the run with one line naming the annotation and the
-field). Items are ``(image, target)``: the image as float RGB in [0, 1] (the detector resizes and normalises
-it), the target with ``boxes`` (x0, y0, x1, y1), ``labels`` (contiguous 1..K; 0 is background), ``masks``
-(with ``masks=True``) and ``image_id``. Crowd regions and degenerate boxes (width or height below 1 px, area
-not positive) are not training targets; the evaluator still sees them in the ground truth, as COCOeval
-requires.
-
-Training sets are filtered as MMDetection 2.x's ``CocoDataset`` filters them (``_filter_imgs``, the papers'
-detection code): images narrower or shorter than ``min_image_size`` (32) px are dropped, and with
-``filter_empty_gt`` so are images without any annotation (crowd ones count as annotations).
-"""
+"""COCO-format detection data: the standard COCO 2017 tree (``annotations/instances_<split>.json``,
+``<split>/``), or the embedded ``coco_digits`` generated as one. Annotations are checked field by field (one
+line naming the broken one). Training sets are filtered as MMDetection 2.x's ``CocoDataset._filter_imgs``;
+crowd regions and degenerate boxes are not training targets but stay in COCOeval's ground truth."""
 
 from __future__ import annotations
 
@@ -140,14 +130,9 @@ def load_coco(path: Path, masks: bool) -> COCO:
 
 
 class CocoDetection(Dataset):
-    """One split of a COCO tree; ``hflip``: probability of a horizontal flip (training).
-
-    ``filter_empty_gt`` / ``min_image_size``: leave out images without annotations / smaller than that
-    (training sets, see the module docstring); evaluation sets keep every image. Image files that are
-    missing (one ``stat`` each, at construction) or do not read follow ``on_bad_image`` as ImageFolder's do
-    (``normexp.data.images.BadImages``): in training (``replace``) the next readable image takes the place
-    of one, in evaluation it is left out (None) and so is its ground truth from COCOeval.
-    """
+    """One split of a COCO tree: items ``(image in [0, 1], target)``; ``hflip``: flip probability.
+    ``filter_empty_gt`` / ``min_image_size``: training filters. Unreadable images follow ``on_bad_image``
+    (:class:`normexp.data.images.BadImages`)."""
 
     def __init__(self, root: str | Path, split: str, masks: bool, hflip: float = 0.0,
                  filter_empty_gt: bool = False, min_image_size: int = 0, on_bad_image: str = "skip",
@@ -209,8 +194,7 @@ class CocoDetection(Dataset):
 
 
 def collate(batch: list[tuple[torch.Tensor, dict[str, Any]] | None]) -> tuple[list, list]:
-    """Images differ in size: the detector batches (resizes and pads) them itself. An image that did not
-    read (None, in evaluation) is left out; a batch may end up empty."""
+    """A list batch (the detector resizes and pads); unreadable images (None) are left out."""
     readable = [item for item in batch if item is not None]
     return [image for image, _ in readable], [target for _, target in readable]
 

@@ -1,18 +1,7 @@
-"""Corrupted validation images (the ImageNet-C protocol), ready for a classifier.
-
-One evaluation is a list of *conditions* -- clean, or one corruption at one severity -- each a dataset of
-uint8 RGB images; ``CorruptionSuite`` chains them so one loader (and its workers) renders them all. The
-corrupted images come either
-- from a pre-rendered tree in the official layout ``<corruption>/<severity>/<class>/<image>`` (ImageNet-C
-  as released, also the variant grouped under noise/ blur/ weather/ digital/ extra/), or
-- on the fly from the validation set with imagecorruptions-imaug, deterministically: each image's seed is a
-  stable hash of (base seed, corruption, severity, image name), so the same pixels come out on every run,
-  in every worker, on every machine; optionally cached as PNG (lossless) in the official layout.
-
-Sizes: the package needs images of at least 32 px. Evaluation sizes below that (digits at 16 px) are
-enlarged by an integer factor (nearest) before corrupting, and the model input is box-averaged back by the
-same factor, so the clean condition is exactly the evaluation images and only the corruption is added.
-"""
+"""Corrupted validation images (the ImageNet-C protocol): clean plus each corruption and severity, from a
+pre-rendered tree in the official layout or rendered on the fly by imagecorruptions with a per-image seed
+(the same pixels everywhere; optionally cached as PNG). Images under 32 px are enlarged by an integer factor
+before corrupting and box-averaged back. docs/robustness.md has the details."""
 
 from __future__ import annotations
 
@@ -78,11 +67,8 @@ def numpy_global_seed(seed: int) -> Iterator[None]:
 
 @functools.cache
 def corruption_package() -> Any:
-    """imagecorruptions (imported on first use: cv2, numba, scikit-image), with OpenCV single-threaded.
-
-    Loader workers are the parallelism; and an OpenCV thread pool that exists when the workers fork
-    deadlocks them (seen: cv2 calls in a worker hang on the inherited pool's locks), so none is ever made.
-    """
+    """imagecorruptions (imported on first use), with OpenCV single-threaded: a thread pool inherited by
+    forked loader workers deadlocks them."""
     import cv2
     import imagecorruptions
 
@@ -266,11 +252,8 @@ def _image_files(folder: Path) -> list[Path]:
 
 def read_corruption_tree(root: str | Path, corruptions: Sequence[str], severities: Sequence[int],
                          num_classes: int) -> dict[tuple[str, int], list[tuple[Path, int]]]:
-    """Every image of each (corruption, severity) with its label (its class folder's sorted index).
-
-    Fails with one line naming the first missing corruption / severity, empty class folder, class set
-    that differs between conditions, or image count that does (an interrupted download or extraction).
-    """
+    """Every image of each (corruption, severity) with its label; fails with one line on the first missing
+    condition, empty class folder, or class set or image count that differs between conditions."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"data.imagenet_c_root '{root}' does not exist: expected layout {LAYOUT}")
@@ -318,8 +301,7 @@ class Condition:
 
 
 class CorruptionSuite(Dataset):
-    """All conditions back to back: item -> (model input, label, condition index). One loader renders all,
-    so the slowest corruption is spread over every worker instead of holding up the rest."""
+    """All conditions back to back, item -> (model input, label, condition index), for one loader."""
 
     def __init__(self, conditions: Sequence[Condition], datasets: Sequence[Dataset],
                  model_input: ModelInput, description: str) -> None:

@@ -1,16 +1,7 @@
-"""Image files as real data sets hold them: unreadable files, 16-bit images, symbolic links.
-
-* :func:`load_rgb` reads any image Pillow opens as 8-bit RGB, scaling 16-bit grayscale (PNG, TIFF) to 8 bits
-  instead of clipping it (Pillow's ``convert("RGB")`` saturates every value above 255).
-* :class:`BadImages` is ``data.on_bad_image`` over a data set's files: ``skip`` marks each file that does not
-  read (truncated, not an image, a header over Pillow's decompression-bomb limit) in memory shared with the
-  loader workers, so every process's count is exact, and reads another instead (training) or none
-  (evaluation); ``fail`` stops with one line naming the file.
-* :func:`class_folders` and :func:`image_files` list an ImageFolder tree following symbolic links, as
-  torchvision does, but each folder once: a link back to a folder already listed (a loop such as
-  ``n001/up -> ..``, or another class's folder) is skipped with a warning instead of listing its images again
-  under another label.
-"""
+"""Image files as real data sets hold them: :func:`load_rgb` scales 16-bit grayscale instead of clipping it,
+:class:`BadImages` is ``data.on_bad_image`` (``skip`` counts unreadable files across workers, ``fail`` stops
+with one line), and :func:`class_folders` / :func:`image_files` follow symbolic links as torchvision does,
+but list each folder once (a link loop is skipped with a warning)."""
 
 from __future__ import annotations
 
@@ -48,7 +39,7 @@ def load_rgb(path: str | Path) -> Image.Image:
 
 
 class BadImages:
-    """``data.on_bad_image`` over ``files`` (see the module docstring)."""
+    """``data.on_bad_image`` over ``files``."""
 
     def __init__(self, files: list[str], on_bad_image: str, where: str | Path) -> None:
         self.files, self.on_bad_image, self.where = files, on_bad_image, where
@@ -105,8 +96,7 @@ def unreadable_files(datasets: Iterable[Any]) -> list[str]:
 
 # ---------------------------------------------------------------- listing an ImageFolder tree
 def class_folders(split_dir: Path) -> list[str]:
-    """The class folders of ``split_dir``, sorted; a symbolic link among them that leads nowhere (a loop,
-    a missing target) is one line."""
+    """The class folders of ``split_dir``, sorted; a dangling or looping link among them is one line."""
     classes = []
     for entry in sorted(os.scandir(split_dir), key=lambda e: e.name):
         try:
@@ -128,8 +118,7 @@ def folder_key(path: str | Path) -> tuple[int, int]:
 
 
 def image_files(folder: Path, seen: set[tuple[int, int]]) -> list[str]:
-    """The image files under ``folder``, sorted, each symbolic link to a folder followed unless that folder
-    is in ``seen`` (which this adds every folder it lists to)."""
+    """The image files under ``folder``, sorted, following links to folders not yet in ``seen``."""
     found = []
     seen.add(folder_key(folder))
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):

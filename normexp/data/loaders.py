@@ -20,8 +20,7 @@ from .samplers import ShardedSampler
 
 @dataclass
 class ClassificationData:
-    """A labelled image data set's loaders. ``train_eval``: the training images through the evaluation
-    transform, each once (asked for with ``eval_train=True``: a k-NN monitor's memory bank)."""
+    """A labelled image data set's loaders; ``train_eval``: the training images through the eval transform."""
 
     train: DataLoader
     val: DataLoader
@@ -33,9 +32,8 @@ class ClassificationData:
 
 @dataclass(frozen=True)
 class ImageSpec:
-    """What a task's own training transform needs to know of a data set: its image size and the mean and
-    std its inputs are standardised with. The transform receives each raw image -- a PIL image (ImageNet)
-    or a float tensor (3, H, W) in [0, 1] (the digits) -- and returns what the model takes."""
+    """What a task's training transform needs of a data set: image size, mean and std; the transform takes
+    a PIL image or a (3, H, W) tensor in [0, 1]."""
 
     img_size: int
     mean: tuple[float, ...]
@@ -59,16 +57,15 @@ class TransformedImages(Dataset):
 
 
 def default_cache_dir(kind: str) -> Path:
-    """Where generated data is kept: $NORMEXP_CACHE_DIR, else <outputs>/<kind>. Read from the environment,
-    not the config, so that where a cache lives never changes a run's identity."""
+    """$NORMEXP_CACHE_DIR, else <outputs>/<kind> (not in the config: a cache never changes a run's
+    identity)."""
     if os.environ.get("NORMEXP_CACHE_DIR"):
         return Path(os.environ["NORMEXP_CACHE_DIR"])
     return Path(os.environ.get("NORMEXP_OUTPUT_DIR", "outputs")) / kind
 
 
 def seed_worker(worker_id: int) -> None:
-    """Seed python and numpy in each loader worker from torch's per-worker seed; leave Ctrl-C (which a
-    terminal sends to every process of the job) to the main process, which stops the run cleanly."""
+    """Seed python and numpy in each loader worker; leave Ctrl-C to the main process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
@@ -76,10 +73,8 @@ def seed_worker(worker_id: int) -> None:
 
 
 class SeededSamples(Dataset):
-    """A training set read by loader workers: each ``(index, sample_seed)`` from a keyed
-    :class:`ShardedSampler` seeds torch, numpy and python before its sample is loaded and augmented. So a
-    sample's augmentation is a function of (seed, epoch, position), never of the worker that drew it --
-    and a run resumed mid-epoch, with fresh workers, sees the pixels an uninterrupted run sees."""
+    """A training set whose samples are seeded by a keyed :class:`ShardedSampler`'s ``sample_seed``, so an
+    augmentation never depends on the worker (and a resumed run sees the same pixels)."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -102,14 +97,8 @@ class SeededSamples(Dataset):
 
 def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int, seed: int,
                 pin_memory: bool = False, collate_fn: Callable | None = None, repeats: int = 1) -> DataLoader:
-    """This process's loader of ``dataset`` (train: shuffled, whole global batches; eval: each sample once).
-
-    The order comes from a :class:`ShardedSampler` over the processes of a distributed job, so the global
-    batches do not depend on the number of processes; ``batch_size`` is per process. ``repeats`` > 1:
-    repeated augmentation. Call :func:`set_epoch` before each epoch. Training with workers seeds each
-    sample (:class:`SeededSamples`); in the main process the augmentation draws from the process's RNG,
-    which checkpoints hold.
-    """
+    """This process's loader of ``dataset`` (train: shuffled, whole global batches; eval: each sample once),
+    ``batch_size`` per process; call :func:`set_epoch` before each epoch."""
     world = distributed.info()
     keyed = train and num_workers > 0
     sampler = ShardedSampler(len(dataset), shuffle=train, seed=seed, rank=world.rank,
@@ -131,8 +120,8 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, num_workers: int
 
 
 def set_epoch(loader: DataLoader, epoch: int, start_batch: int = 0) -> None:
-    """Deal ``epoch`` from its ``start_batch``-th batch on, with worker seeds that follow (seed, rank, epoch)
-    -- so a run resumed mid-epoch sees the batches, in the order, it would have seen."""
+    """Deal ``epoch`` from its ``start_batch``-th batch on, with worker seeds following (seed, rank,
+    epoch)."""
     sampler = loader.sampler
     if isinstance(sampler, ShardedSampler):
         sampler.set_epoch(epoch, start_batch)

@@ -1,22 +1,10 @@
 """The order in which samples are seen: the same global batches whatever the number of processes.
 
-``ShardedSampler`` makes one epoch's order from ``(seed, epoch)`` alone -- a permutation of the dataset
-(training) or the dataset in order (evaluation) -- and deals it out round-robin: process r of W takes
-positions r, r + W, r + 2W, ... So the k-th batch of b samples on every process together hold exactly
-positions [k*b*W, (k+1)*b*W) of the epoch's order: one global batch of b*W, as one process with batch b*W
-would see it. Training cuts the order to whole global updates (``drop_last``); evaluation keeps every
-sample exactly once (no padding, unlike ``DistributedSampler``), so summed counts are exact.
-
-Repeated augmentation (Hoffer et al. 2020; the DeiT recipe's ``RASampler``, timm's ``RepeatAugSampler``):
-``repeats=3`` repeats each index of the permutation 3 times in a row -- the copies land on neighbouring
-processes, each with its own augmentation -- and keeps the epoch at ``len(dataset) // 256 * 256`` samples
-(as timm does), so an epoch costs what it did without repeats.
-
-Because an epoch's order is a function of (seed, epoch), resuming mid-epoch needs only the epoch and the
-number of batches already taken (``set_epoch(epoch, start_batch)``). With ``keyed=True`` it deals
-``(index, sample_seed)`` pairs, the seed a function of (seed, epoch, position in the epoch's order): loader
-workers seed each sample's augmentation with it (``loaders.SeededSamples``), so the augmentation of a
-sample does not depend on which worker drew it or on how much of its stream that worker used before.
+``ShardedSampler`` makes an epoch's order from ``(seed, epoch)`` and deals it round-robin over processes, so
+the k-th batches of all processes form the k-th global batch; evaluation keeps every sample exactly once
+(no padding). ``repeats`` is repeated augmentation (Hoffer et al. 2020; DeiT's ``RASampler``, timm's
+``RepeatAugSampler``). Resuming needs only ``set_epoch(epoch, start_batch)``; ``keyed=True`` deals
+``(index, sample_seed)`` pairs so that augmentation does not depend on the worker.
 """
 
 from __future__ import annotations
@@ -31,9 +19,8 @@ class ShardedSampler(Sampler[int]):
     def __init__(self, num_samples: int, *, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1,
                  batch_size: int = 1, drop_last: bool = False, repeats: int = 1,
                  update_multiple: int = 1, keyed: bool = False) -> None:
-        """``batch_size`` is per process; ``update_multiple`` (gradient accumulation) makes training epochs
-        whole multiples of ``batch_size * world_size * update_multiple`` samples; ``keyed``: deal
-        ``(index, sample_seed)`` pairs."""
+        """``batch_size`` is per process; ``update_multiple`` (gradient accumulation) rounds training epochs
+        to whole updates; ``keyed``: deal ``(index, sample_seed)`` pairs."""
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
         self.num_samples, self.shuffle, self.seed = num_samples, shuffle, seed

@@ -1,12 +1,6 @@
-"""Image transforms of the recipes: timm's ``create_transform`` (DeiT's training and evaluation pipelines).
-
-One repair to timm's RandAugment: its ``posterize`` hands Pillow the number of bits to keep, and the
-``inc1`` schedule of the recipes (``rand-m9-mstd0.5-inc1``: increasing severity) asks for 0 bits at the top
-of the magnitude range. Pillow <= 12 turned that into a black image -- what every recipe trained with --
-while Pillow 13 refuses it (``ValueError: bits must be between or equal to 1 and 8``). ``posterize`` below
-keeps the old answer for 0 bits and otherwise is timm's; it replaces timm's in the op table before any
-transform is built.
-"""
+"""Image transforms of the recipes: timm's ``create_transform`` (DeiT's pipelines), with timm's RandAugment
+``posterize`` repaired for 0 bits (the ``inc1`` schedule asks for it; Pillow 13 refuses it, Pillow <= 12,
+which the recipes trained with, gave a black image)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""Per-epoch log of every scalar-alpha norm layer (DyT, Derf): its alpha and the std of its input.
-
-DyT (Zhu et al., CVPR 2025, arXiv 2503.10622, Sec. 6.2, Fig. 8 left) shows alpha following 1/std of the
-layer's input activations over training. :func:`alpha_probe` measures both at an epoch end: one forward
-pass, in eval mode and without gradients, of a fixed probe batch (``PROBE_IMAGES`` validation images at
-evenly spaced indices: the same images every epoch), with a forward hook on each layer that has a
-one-element ``alpha``. It returns ``{"alpha/<slot>": alpha, "alpha_input_std/<slot>": std}`` for the epoch's
-row of ``metrics.jsonl`` -- nothing for a model without such layers. The model's mode is restored, and no
-random number is drawn: training numbers are those of a run without the probe.
-
-Cost: one forward pass of 16 images per epoch. Measured on 2 shared CPU cores with the digits demo's micro ViT
-and DyT: 0.5-1.2 s against a training epoch of 160 s on that (heavily loaded) machine, under 1 % of the
-epoch; the ratio only falls for larger data sets. So it is always on.
-"""
+"""Per-epoch log of every scalar-alpha norm layer (DyT, Derf): its alpha and the std of its input, as DyT
+(Zhu et al., CVPR 2025, arXiv 2503.10622, Sec. 6.2, Fig. 8 left) tracks them. One eval forward of a fixed
+probe batch per epoch, drawing no random number; its cost is in docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -58,9 +47,8 @@ def probe_batch(dataset: Any, count: int = PROBE_IMAGES) -> torch.Tensor | None:
 @torch.no_grad()
 def alpha_probe(model: nn.Module, loader: Any, forward: Callable[[torch.Tensor], Any] | None = None
                 ) -> dict[str, float]:
-    """alpha and the std of the input of every scalar-alpha layer on the probe batch (see the module doc).
-    ``forward``: how the batch goes through the model, when not ``model(batch)`` (it must draw no random
-    number: a masked autoencoder's masks from a generator of its own)."""
+    """``{"alpha/<slot>": ..., "alpha_input_std/<slot>": ...}`` on the probe batch; ``forward``: how the batch
+    goes through the model when not ``model(batch)`` (it must draw no random number)."""
     layers = scalar_alpha_layers(model)
     if not layers:
         return {}

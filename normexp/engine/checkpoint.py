@@ -1,12 +1,5 @@
-"""Checkpoint files: written atomically, read safely.
-
-Writing: into a temporary file of the writer's own in the same directory, flushed and fsync'ed, then renamed
-over ``<name>`` (and the directory fsync'ed): a process killed mid-write leaves the previous checkpoint whole.
-Reading: every record of the file is checked against the CRC-32 its zip directory holds (torch writes them
-but does not check them on load, so damage inside a tensor -- a bad disk block, a partial copy -- would load
-silently), then ``torch.load(weights_only=True)`` -- tensors and plain containers only, so a checkpoint
-cannot run code.
-"""
+"""Checkpoint files: written atomically (temporary file, fsync, rename), read safely (every zip record checked
+against its CRC-32, which torch does not check, then ``torch.load(weights_only=True)``)."""
 
 from __future__ import annotations
 
@@ -21,8 +14,7 @@ from ..tracking.records import read_config, write_atomic
 
 
 class _KeepsWriteErrors:
-    """A file whose write errors are kept: torch's zip writer turns them into a RuntimeError that no longer
-    says what the file system said (no space, a quota)."""
+    """A file that keeps its write errors (torch's zip writer hides what the file system said)."""
 
     def __init__(self, f: Any) -> None:
         self.f, self.error = f, None
@@ -55,9 +47,7 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 
 
 def damaged_record(path: Path) -> str | None:
-    """The first record of the zip file ``path`` whose bytes do not match their CRC-32 (or why the zip
-    structure itself does not read), None when every record is whole. Files that are not zips (torch's
-    legacy format) are left to ``torch.load``."""
+    """The first record of the zip file ``path`` whose bytes do not match their CRC-32, or None."""
     if not zipfile.is_zipfile(path):
         return None
     try:
@@ -113,10 +103,8 @@ def checkpoint_run_config(source: str | Path) -> dict[str, Any] | None:
 
 
 def reported_weights(state: dict[str, Any], ema: bool | None = None) -> tuple[dict[str, Any], str]:
-    """The weights of a training checkpoint, and which they are: with ``ema=None`` those its run reports --
-    its EMA model's (``"ema"``) when the run's recipe reports the EMA (``trainer.ema.reported``), else the
-    trained model's (``"raw"``); with ``ema=True`` / ``False`` the EMA's / the trained ones. A bare
-    state_dict is the trained model's."""
+    """(weights, ``"ema"`` or ``"raw"``) of a training checkpoint: with ``ema=None`` those its recipe
+    reports (``trainer.ema.reported``)."""
     if ema is not None and "model" in state:
         if ema and state.get("ema") is None:
             raise UserError("the checkpoint has no EMA weights (trained with trainer.ema.enabled=false)")

@@ -1,10 +1,6 @@
-"""Divergence detection without a host sync per step: the training loss stays on the device.
-
-Each micro-batch's loss is folded into a window of device tensors (sum, count, the first bad step and its
-loss, the last good one). The trainer reads the window once every ``log_interval`` updates, before each
-checkpoint and at each epoch end; a non-finite loss (or one above ``trainer.max_loss``) anywhere in it stops
-the run with the exact step (:class:`~normexp.errors.Diverged`), on every process at the earliest one.
-"""
+"""Divergence detection without a host sync per step: losses are folded into a window on the device and read
+every ``log_interval`` updates; a non-finite loss (or one above ``trainer.max_loss``) stops every process at
+the earliest bad step (:class:`~normexp.errors.Diverged`)."""
 
 from __future__ import annotations
 
@@ -46,8 +42,7 @@ class LossWindow:
         w["count"] += 1
 
     def check(self, epoch: int, metrics: dict[str, Any]) -> None:
-        """Read the window once; on any process's bad loss, every process raises Diverged at the earliest
-        bad step (``epoch``: 1-based; ``metrics``: the evaluations so far, which the record keeps)."""
+        """Read the window; on any process's bad loss, every process raises Diverged at the earliest step."""
         w = self.window
         first = int(w["first_bad"])
         if distributed.info().enabled:

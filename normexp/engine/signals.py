@@ -1,10 +1,6 @@
-"""Stop signals: a preempted or interrupted run finishes its update, checkpoints, then stops.
-
-SIGTERM, SIGUSR1 and SIGUSR2 (submitit's preemption signal) and Ctrl-C (SIGINT) are noted instead of ending
-the process; the trainer asks :meth:`StopSignals.requested` after each update, checkpoints, and raises
-:meth:`StopSignals.interrupted`, whose hand-over gives the signal to the handler that was there before
-(submitit's requeue). A second Ctrl-C stops at once, without a checkpoint.
-"""
+"""Stop signals: a preempted or interrupted run (SIGTERM, SIGUSR1/2, Ctrl-C) finishes its update,
+checkpoints, then stops, handing the signal to the previous handler (submitit's requeue). A second Ctrl-C
+stops at once."""
 
 from __future__ import annotations
 
@@ -25,11 +21,8 @@ STOP_SIGNALS = tuple(getattr(signal, s) for s in ("SIGTERM", "SIGINT", "SIGUSR1"
 
 
 class StopSignals:
-    """While installed: remember a stop signal instead of dying at once; restore the handlers afterwards.
-
-    In a distributed job the processes agree on a stop every ``check_interval`` updates (one small
-    collective then, none per update) and at epoch ends; a single process stops after the update under way.
-    """
+    """While installed: remember a stop signal and restore the handlers afterwards; processes agree on a
+    stop every ``check_interval`` updates and at epoch ends."""
 
     def __init__(self, device: torch.device, check_interval: int) -> None:
         self.device, self.check_interval = device, max(check_interval, 1)
@@ -55,7 +48,7 @@ class StopSignals:
             signal.signal(signum, handler)
 
     def requested(self, update: int, every_update: bool = False) -> bool:
-        """Whether a stop signal arrived (on any process, once they agree: see the class)."""
+        """Whether a stop signal arrived (on any process, once they agree)."""
         if not distributed.info().enabled:
             return self.received is not None
         if not every_update and update % self.check_interval:

@@ -1,12 +1,6 @@
-"""The trainer's state in a checkpoint: what a killed run needs to go on as if it had not been killed.
-
-``Trainer.state_dict()`` / ``Trainer.load_state_dict()`` say what the trainer holds; this module has what
-they use beyond the trainer: RNG states, writing and finding the checkpoint, each process's part. A
-checkpoint holds the model, EMA, optimizer, scheduler, scaler, the position in the epoch (epoch, batch,
-update), the metrics so far, the task's own state (``Trainer.task_state``) and, from every process by rank,
-its RNG states, its share of the epoch's loss and its divergence window -- so ``trainer.resume=auto``
-continues mid-epoch exactly. The file format (atomic writes, CRC-checked safe reads) is ``checkpoint.py``'s.
-"""
+"""The trainer's state in a checkpoint: what a killed run needs to go on exactly, mid-epoch included (RNG
+states, position, metrics, task state, and each process's share by rank). The file format is
+``checkpoint.py``'s."""
 
 from __future__ import annotations
 
@@ -56,11 +50,8 @@ def save_training_state(path: Path, state: dict[str, Any], is_main: bool) -> Non
 
 
 def read_resume_state(record: RunRecord, source: str | None) -> tuple[dict[str, Any], str] | None:
-    """The checkpoint to resume from and where it came from, or None: ``auto``: the run directory's if there
-    is one; a path: that run's or file's; None: nothing.
-
-    Process 0 continues from the checkpoint ``normexp.run`` already read and verified (the record's
-    ``resume_state``) when it decided the start; the other processes read the same file."""
+    """The checkpoint to resume from and its source, or None (``auto``: the run directory's, if any; a path:
+    that run's or file's)."""
     state = record.resume_state
     if state is None:
         if not source:
@@ -75,9 +66,8 @@ def read_resume_state(record: RunRecord, source: str | None) -> tuple[dict[str, 
 
 def this_process(processes: list[dict[str, Any]], rank: int, world_size: int, mid_epoch: bool,
                  source: str) -> dict[str, Any] | None:
-    """This process's part of a checkpoint's ``processes`` (RNG states, epoch loss, window), or None when
-    the checkpoint came from another number of processes (then the RNG streams restart; mid-epoch that is an
-    error: the epoch's shards would differ)."""
+    """This process's part of a checkpoint's ``processes``, or None when it came from another process count
+    (mid-epoch that is an error)."""
     if len(processes) == world_size:
         return processes[rank]
     if mid_epoch:

@@ -1,9 +1,5 @@
-"""COCO detection metrics with pycocotools' COCOeval: the numbers every detection paper reports.
-
-``coco_results`` turns a torchvision detector's outputs (boxes x0, y0, x1, y1 in original image pixels,
-contiguous labels, mask probabilities) into COCO result entries; ``coco_evaluate`` scores them against the
-ground truth: AP (IoU 0.50:0.95), AP50, AP75, APs, APm, APl per IoU type, as fractions (0.374, not 37.4).
-"""
+"""COCO detection metrics with pycocotools' COCOeval: AP, AP50, AP75, APs, APm, APl per IoU type, as
+fractions (0.374, not 37.4), from a torchvision detector's outputs."""
 
 from __future__ import annotations
 
@@ -25,11 +21,8 @@ STATS = ("AP", "AP50", "AP75", "APs", "APm", "APl")  # COCOeval.stats[0:6]
 
 def coco_results(image_id: int, output: dict[str, torch.Tensor], category_ids: Sequence[int],
                  masks: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(bbox results, segm results) of one image; label i is category ``category_ids[i - 1]``.
-
-    Label 0 is background: RetinaNet's sigmoid head has an output for it (never a positive in training) that
-    can still pass the score threshold; such detections name no category and are dropped.
-    """
+    """(bbox results, segm results) of one image; label i is category ``category_ids[i - 1]``, and
+    background (label 0) detections are dropped."""
     keep = output["labels"] > 0
     output = {k: v[keep] for k, v in output.items() if k in ("boxes", "scores", "labels", "masks")}
     boxes = output["boxes"].detach().cpu().float()
@@ -50,10 +43,8 @@ def coco_results(image_id: int, output: dict[str, torch.Tensor], category_ids: S
 
 def coco_evaluate(ground_truth: COCO, results: list[dict[str, Any]], iou_type: str,
                   image_ids: Sequence[int] | None = None) -> tuple[dict[str, float], str]:
-    """COCOeval of ``results`` (``iou_type`` 'bbox' or 'segm'): the six AP figures and the printed table.
-
-    No detections at all score 0 (pycocotools cannot load an empty result list).
-    """
+    """COCOeval of ``results`` (``iou_type`` 'bbox' or 'segm'): the six AP figures and the printed table; no
+    detections at all score 0."""
     if not results:
         return {k: 0.0 for k in STATS}, f"{iou_type}: no detections"
     printed = io.StringIO()

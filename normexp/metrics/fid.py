@@ -1,9 +1,6 @@
-"""Frechet distance and Inception Score of generated images from their features (Heusel et al. 2017, arXiv
-1706.08500; Salimans et al. 2016, arXiv 1606.03498), through torch-fidelity's implementations
-(``metric_fid.fid_statistics_to_metric``: the trace of the covariance product's square root from its
-eigenvalues; ``metric_isc.isc_features_to_metric``: 10 splits). Statistics are float64, as ADM's evaluator and
-its reference batches (``VIRTUAL_imagenet256_labeled.npz``: ``mu``, ``sigma``) keep them.
-"""
+"""Frechet distance and Inception Score from features (Heusel et al. 2017, arXiv 1706.08500; Salimans et al.
+2016, arXiv 1606.03498) through torch-fidelity's implementations, statistics in float64 as ADM's evaluator
+and reference batches keep them."""
 
 from __future__ import annotations
 
@@ -35,8 +32,7 @@ def frechet_distance(first: dict[str, np.ndarray], second: dict[str, np.ndarray]
 
 
 def inception_score(logits: np.ndarray, splits: int = 10) -> tuple[float, float]:
-    """Inception Score (mean, std over ``splits`` consecutive splits, unshuffled as ADM's evaluator splits)
-    of (N, classes) logits, by torch-fidelity's ``isc_features_to_metric``."""
+    """Inception Score (mean, std over ``splits`` unshuffled splits, as ADM's evaluator) of (N, K) logits."""
     import torch
     from torch_fidelity.metric_isc import KEY_METRIC_ISC_MEAN, KEY_METRIC_ISC_STD, isc_features_to_metric
 
@@ -45,9 +41,8 @@ def inception_score(logits: np.ndarray, splits: int = 10) -> tuple[float, float]
 
 
 def load_reference(path: str | Path, resolution: int, features: int) -> dict[str, Any]:
-    """Reference statistics from an ``.npz``: ADM's reference batches (``mu``, ``sigma``, and the reference
-    images ``arr_0`` that tell their resolution) or the suite's own (``mu``, ``sigma``, ``resolution``). One
-    line when the file is missing, unreadable, or of another resolution or feature size than ours."""
+    """Reference statistics from an ``.npz`` (ADM's reference batches, or the suite's own); one line when the
+    file is missing, unreadable, or of another resolution or feature size."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"reference statistics {path} do not exist: give ADM's reference batch (e.g. "

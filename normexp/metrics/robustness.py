@@ -1,15 +1,7 @@
-"""ImageNet-C metrics (Hendrycks & Dietterich, ICLR 2019): CE, mCE, relative CE / mCE, group means.
-
-All errors here are top-1 error *fractions* (0.25 = 25 %). For model f, corruption c, severity s:
-
-    CE_c      = sum_s E_{s,c} / sum_s R_{s,c}
-    RelCE_c   = sum_s (E_{s,c} - E_clean) / sum_s (R_{s,c} - R_clean)
-    mCE, relative mCE = the means of CE_c, RelCE_c over the 15 benchmark corruptions
-
-where R is the normalising model: AlexNet on ImageNet (its published errors below), or a named reference
-run elsewhere. Every severity has the same number of images, so the sums over s equal means over s; that
-is how a normaliser is stored (one mean error per corruption) and how the published AlexNet numbers come.
-"""
+"""ImageNet-C metrics (Hendrycks & Dietterich, ICLR 2019, arXiv 1903.12261): CE, mCE, relative CE / mCE and
+group means, from top-1 error *fractions*. ``CE_c = sum_s E_{s,c} / sum_s R_{s,c}`` and ``RelCE_c = sum_s
+(E_{s,c} - E_clean) / sum_s (R_{s,c} - R_clean)``, R the normalising model (AlexNet's published errors on
+ImageNet, or a reference run); mCE averages over the 15 benchmark corruptions."""
 
 from __future__ import annotations
 
@@ -77,8 +69,7 @@ def relative_corruption_errors(means: Mapping[str, float], clean_error: float,
 
 
 def benchmark_mean(per_corruption: Mapping[str, float]) -> float:
-    """Mean over the 15 benchmark corruptions present (mCE from CEs; extras never count); NaN if none, or if
-    one is undefined (NaN: a normaliser error, or added error, that is not positive)."""
+    """Mean over the 15 benchmark corruptions present (extras never count); NaN if none or one is NaN."""
     values = [v for c, v in per_corruption.items() if c in CORRUPTIONS]
     return sum(values) / len(values) if values else math.nan
 

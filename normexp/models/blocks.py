@@ -1,41 +1,17 @@
-"""Where the norm sits in a transformer block: timm's blocks where timm has the placement, ours where not.
+"""Where the norm sits in a transformer block (``norm_position``; docs/normalizers.md has the table): timm's
+blocks where timm has the placement, ours where not. Per sub-layer F, slot N, LayerScale ``ls`` (CaiT,
+arXiv 2103.17239):
 
-``F`` is a block's attention or MLP, ``N`` a norm slot (filled by the configured normalizer like any other
-slot), ``ls`` the optional LayerScale (CaiT, Touvron et al. 2021, arXiv 2103.17239; timm's ``init_values``: a
-per-channel gain on the branch, identity when off) and stochastic depth acts on the branch before the
-addition. Per sub-layer (attention, then MLP):
+* ``pre``: Pre-LN (arXiv 2002.04745), ``x + ls(F(N(x)))``, timm's ``Block``;
+* ``post``: Post-LN (Vaswani et al. 2017, arXiv 1706.03762), ``N(x + ls(F(x)))``;
+* ``peri``: Peri-LN (arXiv 2502.02732) = Sandwich-LN (arXiv 2105.13290), ``x + ls(N_out(F(N_in(x))))``;
+* ``res_post``: Swin-v2's res-post-norm (arXiv 2111.09883), ``x + ls(N(F(x)))``, timm's ``ResPostBlock``;
+* ``hybrid``: HybridNorm (arXiv 2503.04598; BryceZhuo/HybridNorm's configs): per-head norms on Q, K, V and a
+  post-norm FFN. HybridNorm* is not built.
 
-* ``pre`` -- Pre-LN (Xiong et al. 2020, arXiv 2002.04745): ``x + ls(F(N(x)))``. timm's ``Block`` itself;
-  slots ``norm1`` / ``norm2`` (the inputs of attention / MLP).
-* ``post`` -- the original Transformer's Post-LN (Vaswani et al. 2017, arXiv 1706.03762):
-  ``N(x + ls(F(x)))`` (:class:`PostNormBlock`); ``norm1`` / ``norm2`` after each residual addition.
-* ``peri`` -- Peri-LN (Kim et al. 2025, arXiv 2502.02732; = CogView's Sandwich-LN, arXiv 2105.13290):
-  ``x + ls(N_out(F(N_in(x))))`` (:class:`PeriNormBlock`); ``norm1`` / ``norm2`` on the inputs as in ``pre``,
-  ``norm1_out`` / ``norm2_out`` on the branch outputs.
-* ``res_post`` -- Swin-v2's res-post-norm (Liu et al. 2022, arXiv 2111.09883): ``x + ls(N(F(x)))``, no norm
-  on the input (:class:`ResPostNormBlock`: timm's ``ResPostBlock``); ``norm1`` / ``norm2`` on the branch
-  outputs.
-* ``hybrid`` -- HybridNorm (Zhuo et al. 2025, arXiv 2503.04598; BryceZhuo/HybridNorm, whose configs set
-  ``attn_norm: false, use_query_norm / use_key_norm / use_value_norm: true, ffn_norm: true,
-  ffn_residual_after_norm: true``): no norm on the attention input, a norm on Q, K and V of every head
-  inside the attention (``attn.q_norm`` / ``k_norm`` / ``v_norm``), and the "post-norm FFN" as that code
-  computes it: ``y = x + ls(Attn_QKVnorm(x))``, ``z = N(y)``, ``out = z + ls(MLP(z))``
-  (:class:`HybridNormBlock`; ``N`` is ``norm2``, the MLP's input as in ``pre``). The residual of the MLP
-  is taken after the norm, so the stream carries exactly one norm per block, after the attention's
-  addition. HybridNorm* (pre-norm attention in the first block) is not built here.
-
-Per-head norm slots: ``qk_norm`` (ViT-22B, Dehghani et al. 2023, arXiv 2302.05442; timm's ``qk_norm``) puts a
-norm on the queries and keys of every head, over ``head_dim``; HybridNorm adds one on the values.
-:class:`HeadNormAttention` (timm's ``Attention`` with, for HybridNorm, ``v_norm``) hands those slots each
-head's tokens as ``(B * heads, N, head_dim)`` -- the heads folded into the batch, tokens in their order --
-so a normalizer that reads tokens (DTN, IN, GN) sees one head's tokens on the grid (the model's
-``norm_context`` gives those slots one head and the folded layout: ``normexp.norms.layout.FoldedHeads``);
-per-token normalizers (LN, RMSNorm, DyT) compute what they compute on timm's ``(B, heads, N, head_dim)``.
-
-Module names: every block keeps timm's (``attn``, ``mlp``, ``norm1``, ``norm2``, ``ls1``, ``ls2``), so the
-state dicts of ``pre`` and ``post`` (and of ``res_post``: timm's own) are interchangeable, ``blocks.*.norm1``
-patterns keep working, and the added slots have names of their own; a block without a norm where ``pre`` has
-one holds ``nn.Identity`` there (no slot).
+Per-head slots (``qk_norm``, ViT-22B, arXiv 2302.05442; HybridNorm's ``v_norm``) see each head's tokens as
+``(B * heads, N, head_dim)``. Blocks keep timm's module names, so ``pre`` and ``post`` state dicts are
+interchangeable.
 """
 
 from __future__ import annotations
@@ -67,12 +43,8 @@ def _reorder(module: nn.Module, order: tuple[str, ...]) -> None:
 
 
 class HeadNormAttention(Attention):
-    """timm's ``Attention`` whose per-head norm slots see each head's tokens as ``(B * heads, N, head_dim)``.
-
-    ``qk_norm`` (timm's) gives ``q_norm`` / ``k_norm``; ``v_norm`` (HybridNorm) one on the values, built by
-    the same ``norm_layer``. Computes what timm's does -- fused or not, attention dropout, NormFormer's
-    ``scale_norm`` (``norm``), timm's output gate -- with the norms applied to the folded tensors.
-    """
+    """timm's ``Attention`` whose per-head norm slots (``q_norm``, ``k_norm``, ``v_norm``) see each head's
+    tokens as ``(B * heads, N, head_dim)``; otherwise it computes what timm's does."""
 
     def __init__(self, dim: int, num_heads: int = 8, v_norm: bool = False, **kwargs: Any) -> None:
         super().__init__(dim, num_heads=num_heads, **kwargs)
@@ -124,8 +96,7 @@ class QKVNormAttention(HeadNormAttention):
 
 
 class PostNormBlock(Block):
-    """Post-LN (Vaswani et al. 2017, arXiv 1706.03762): ``x = N(x + ls(F(x)))`` per sub-layer; ``norm1`` /
-    ``norm2`` follow the attention's / MLP's residual addition. timm's ``Block`` with its norms moved."""
+    """Post-LN (arXiv 1706.03762): timm's ``Block`` with ``norm1`` / ``norm2`` after each addition."""
 
     def __init__(self, dim: int, num_heads: int, **kwargs: Any) -> None:
         super().__init__(dim, num_heads, **kwargs)
@@ -138,9 +109,7 @@ class PostNormBlock(Block):
 
 
 class PeriNormBlock(Block):
-    """Peri-LN / Sandwich-LN (arXiv 2502.02732, 2105.13290): ``x = x + ls(N_out(F(N_in(x))))`` per
-    sub-layer; ``norm1`` / ``norm2`` on the inputs (as timm's ``Block``), ``norm1_out`` / ``norm2_out`` on the
-    outputs."""
+    """Peri-LN / Sandwich-LN (arXiv 2502.02732, 2105.13290): ``norm1_out`` / ``norm2_out`` on the outputs."""
 
     def __init__(self, dim: int, num_heads: int, norm_layer: Any = nn.LayerNorm, **kwargs: Any) -> None:
         super().__init__(dim, num_heads, norm_layer=norm_layer, **kwargs)
@@ -157,13 +126,8 @@ class PeriNormBlock(Block):
 
 
 class ResPostNormBlock(ResPostBlock):
-    """Swin-v2's res-post-norm (arXiv 2111.09883): ``x = x + ls(N(F(x)))`` per sub-layer -- timm's
-    ``ResPostBlock`` (``norm1`` / ``norm2`` on the branch outputs), with one change for ``init_values``:
-    timm starts the norms' weight at ``init_values`` (a LayerScale folded into the norm), which the placement
-    would undo when it swaps the norm and which a normalizer without a per-channel weight could not hold; here
-    the norms are built as every other slot and ``init_values`` is a LayerScale after them (``ls1`` /
-    ``ls2``): the same function at initialisation for LN, RMSNorm and DyT. Without it, timm's block
-    unchanged."""
+    """Swin-v2's res-post-norm (arXiv 2111.09883): timm's ``ResPostBlock``, except that ``init_values`` is a
+    LayerScale after the norms (``ls1`` / ``ls2``) rather than their weight init, so any normalizer fits."""
 
     def __init__(self, dim: int, num_heads: int, init_values: float | None = None, **kwargs: Any) -> None:
         super().__init__(dim, num_heads, init_values=None, **kwargs)
@@ -179,9 +143,8 @@ class ResPostNormBlock(ResPostBlock):
 
 
 class HybridNormBlock(Block):
-    """HybridNorm (arXiv 2503.04598), as its code computes it: ``y = x + ls(Attn_QKVnorm(x))``,
-    ``z = N(y)``, ``out = z + ls(MLP(z))``. The attention is :class:`QKVNormAttention` (slots
-    ``attn.q_norm`` / ``k_norm`` / ``v_norm``), ``norm2`` is ``N``; ``norm1`` is the identity (no slot)."""
+    """HybridNorm (arXiv 2503.04598) as its code computes it: ``y = x + ls(Attn_QKVnorm(x))``, ``z = N(y)``,
+    ``out = z + ls(MLP(z))``; ``norm1`` is the identity (no slot)."""
 
     def __init__(self, dim: int, num_heads: int, **kwargs: Any) -> None:
         kwargs["attn_layer"] = QKVNormAttention

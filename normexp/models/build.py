@@ -29,8 +29,7 @@ def norm_settings(norm_cfg: DictConfig | dict) -> tuple[str, dict[str, Any], dic
 
 
 def backbone_arguments(backbone_cfg: DictConfig | dict, dense: bool = False) -> tuple[str, dict[str, Any]]:
-    """(registered name, constructor arguments) of a backbone config; ``dense``: for dense tasks (detection),
-    with the config's ``dense`` values too (any input size, a feature pyramid for plain models)."""
+    """(registered name, constructor arguments) of a backbone config; ``dense``: with the ``dense`` values."""
     kwargs = as_dict(backbone_cfg)
     name = kwargs.pop("name")
     # suggestions read by the norm and trainer configs through interpolation, not by the model
@@ -44,11 +43,9 @@ def backbone_arguments(backbone_cfg: DictConfig | dict, dense: bool = False) -> 
 
 
 def build_model(constructor: Callable[[], nn.Module], norm_cfg: DictConfig | dict, what: str) -> nn.Module:
-    """``constructor()`` -- a model as its papers define it, with their norm layers -- with the configured
-    normalizer in its norm slots (``norm.placement``: which), one placement walk over the whole model (a
-    backbone, or a task's model around one: an autoencoder's decoder, a self-distillation head), then the
-    normalizer's rule for the whole model if it has one (``adapt_model``: a normalization-free method's). A
-    model the normalizer cannot fill is one line naming ``what``."""
+    """``constructor()`` with the configured normalizer in its norm slots (one placement walk), then the
+    normalizer's ``adapt_model`` if it has one; a model the normalizer cannot fill is one line naming
+    ``what``."""
     norm_name, hparams, placement = norm_settings(norm_cfg)
     unknown = sorted(set(placement) - {"keep", "first_blocks"})
     if unknown:
@@ -67,16 +64,13 @@ def build_model(constructor: Callable[[], nn.Module], norm_cfg: DictConfig | dic
 
 def build_backbone(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,
                    dense: bool = False) -> nn.Module:
-    """Create ``backbone_cfg.name`` with its config values, then swap its norm slots for ``norm_cfg``
-    (``dense``: see :func:`backbone_arguments`)."""
+    """Create ``backbone_cfg.name`` with its config values, then swap its norm slots for ``norm_cfg``."""
     name, kwargs = backbone_arguments(backbone_cfg, dense)
     return build_model(lambda: create_model(name, **kwargs), norm_cfg, f"backbone '{name}'")
 
 
 def check_buildable(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,
                     dense: bool = False) -> None:
-    """Build the model on the meta device (no memory, no values, no random numbers drawn): what only the
-    model knows -- a group count that must divide every width, a grid too small for a stage -- is refused
-    as :func:`build_backbone` would refuse it, before any real work."""
+    """Build the model on the meta device, so that what only the model knows is refused before any work."""
     with torch.device("meta"):
         build_backbone(backbone_cfg, norm_cfg, dense=dense)

@@ -1,38 +1,12 @@
 """ConvNeXt (Liu et al., CVPR 2022, arXiv 2201.03545) on timm's ``ConvNeXt``: the ConvNeXt-B/L rows of DyT's
-Table 1 (arXiv 2503.10622).
+Table 1 (arXiv 2503.10622); sizes follow the paper's Sec. 2.6 / timm's definitions.
 
-Sizes follow the paper's Sec. 2.6 / timm's definitions (patch-4 stem, depthwise 7x7 blocks, layer scale
-1e-6): tiny C = 96/192/384/768, depths 3-3-9-3; small 96.., 3-3-27-3; base 128/256/512/1024, 3-3-27-3; large
-192/384/768/1536, 3-3-27-3. ``drop_path_rate`` in each yaml is the paper's (0.1 / 0.4 / 0.5 / 0.5), which
-DyT's recipe keeps for B and L.
-
-Norm slots (timm 1.0.31 ``convnext.py``) and what each sees:
-
-* ``stem.1`` and ``stages.{i}.downsample.0`` (stages 1-3): ``LayerNorm2d`` on a (B, C, H, W) map --
-  channels-first;
-* ``stages.{i}.blocks.{j}.norm``: ``LayerNorm`` on the block's (B, H, W, C) map (timm permutes before the
-  MLP) -- channels-last;
-* ``head.norm``: ``LayerNorm2d`` on the pooled (B, C, 1, 1) vector (pool -> norm -> fc), marked ``pooled``;
-* ``feature_norms.{i}`` (dense tasks, ``feature_norms=True``): a channels-first LayerNorm on each stage
-  output, as the official detection backbone (facebookresearch/ConvNeXt ``object_detection/mmdet/models/
-  backbones/convnext.py``) puts one there.
-
-Every slot gets the layout its layer has, so ``norm=dyt`` gives what the official ``convert_ln_to_dyt``
-(jiachenzhu/DyT ``dynamic_tanh.py``) gives: channels-first DyT for the ``LayerNorm2d`` slots and
-channels-last DyT in the blocks, none left as LayerNorm. Every map carries its grid in its shape, so DTN
-takes its inter-token statistics over each stage's map (pooled to its ``pool_size`` above that).
-
-**Head count.** ConvNeXt has no attention, but DTN (per-head statistics), GroupNorm (groups) and PowerNorm
-(group scaling) need one per slot. ConvNeXt is the convolutional counterpart of Swin at the same widths
-(paper Sec. 2: ConvNeXt-T/B/L mirror Swin-T/B/L's 96/128/192-wide stages), and Swin gives every stage
-``width / 32`` heads (3-6-12-24, 4-8-16-32, 6-12-24-48); so a slot with C channels gets C / 32 heads
-(head dim 32), or the largest divisor of C below that, at least 1.
-
-``convnext_micro`` is the CPU-demo member: 16 px input, a 1x1 stem (stride 1: stage grids 16, 8, 4, 2 -- no
-1x1 stage, where per-sample token statistics would see one token), C = 32/64/128/256 (1/2/4/8 heads), depths
-1-1-2-1, 3x3 depthwise kernels, MLP ratio 4 and layer scale 1e-6. The published 7x7 kernel spans a
-1/8 of a 56x56 stage; on these 16..2 grids a 3x3 spans a comparable part, and the 7x7 depthwise backward
-took about 5x longer per step on the CPU (mostly padding).
+Every slot keeps its layer's layout, so ``norm=dyt`` gives what the official ``convert_ln_to_dyt``
+(jiachenzhu/DyT ``dynamic_tanh.py``) gives; ``head.norm`` is ``pooled``. ``feature_norms=True`` adds a norm on
+each stage output, as the official detection backbone (facebookresearch/ConvNeXt ``object_detection``) does.
+ConvNeXt has no attention; for DTN, GroupNorm and PowerNorm a slot gets Swin's ``width / 32`` heads (ConvNeXt
+mirrors Swin's widths, paper Sec. 2). ``convnext_micro`` (the CPU demo) uses 3x3 depthwise kernels on its
+16..2 px grids (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -72,7 +46,6 @@ class ConvNeXt(TimmConvNeXt, Backbone):
             if feature_norms else None
 
     def norm_context(self, name: str) -> NormContext:
-        """Block index and head count of the norm slot ``name`` (maps: the grid is in the shape)."""
         block, stage = None, len(self.stages) - 1  # head: the last stage's width
         if m := re.match(r"(stages|feature_norms)\.(\d+)(?:\.(blocks\.(\d+)|downsample))?", name):
             stage = int(m.group(2))

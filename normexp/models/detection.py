@@ -1,33 +1,9 @@
-"""Detectors from torchvision over any normexp backbone: RetinaNet and Mask R-CNN, each with an FPN, built to
-match the MMDetection 2.x configs the papers trained with (whai362/PVT ``detection/configs/_base_/models/
-retinanet_r50_fpn.py`` and ``mask_rcnn_r50_fpn.py``, mmdet 2.13; Swin's Mask R-CNN uses the same model
-config).
-
-The backbone (``body``, with whatever normalizer it was built with) gives ``features(x)``: NCHW maps at
-``feature_strides``. An FPN (``torchvision.ops.FeaturePyramidNetwork``: 1x1 laterals, nearest upsampling, 3x3
-outputs, no norm, as mmdet's; its convolutions re-initialised Xavier-uniform with zero bias, mmdet FPN's
-``init_cfg``) turns the chosen levels into ``fpn_channels`` maps and adds the coarser ones:
-
-- RetinaNet (Lin et al. 2017): the three coarsest of four backbone levels (P3-P5 at strides 8-32) plus P6 and
-  P7 by stride-2 3x3 convolutions, P6 on C5 and P7 on P6 without a ReLU between them (mmdet's
-  ``add_extra_convs='on_input'`` with its default ``relu_before_extra_convs=False``; torchvision's
-  ``LastLevelP6P7`` would take P5 when C5 is as wide as the FPN and applies a ReLU); anchors
-  ``scale * stride * 2^(k/3)``, k = 0, 1, 2 (octave base scale 4), aspect ratios 0.5, 1, 2, not rounded to
-  whole pixels (mmdet 2.x ``AnchorGenerator``; torchvision rounds them).
-- Mask R-CNN (He et al. 2017): all four levels (P2-P5) plus a max-pooled P6 for the RPN; RPN anchors
-  ``scale * stride`` (scale 8), ratios 0.5, 1, 2; the RPN's low-quality matches need IoU >= 0.3 (mmdet's
-  ``min_pos_iou``; torchvision's matcher takes them at any IoU); RoIAlign 7x7 (boxes) and 14x14 (masks),
-  ``aligned=True`` and ``sampling_ratio=0`` as mmcv's, each RoI from level ``floor(log2(sqrt(wh) / 56))``
-  (mmdet's ``SingleRoIExtractor``, ``finest_scale=56``); a box head of two ``box_head_dim`` (1024) fully
-  connected layers (Xavier-uniform) with classifier / regressor initialised N(0, 0.01) / N(0, 0.001) (mmdet's
-  ``Shared2FCBBoxHead``) and a mask head of four 3x3 convolutions as wide as the FPN (torchvision's and
-  mmdet's heads at 256 channels).
-
-Thresholds, sample sizes and loss weights are torchvision's options and come from the config (the 1x
-recipes state mmdet's). torchvision's ``GeneralizedRCNNTransform`` resizes (``min_size``/``max_size``),
-normalises and pads to a multiple of 32; NMS and RoIAlign are torchvision's compiled ops. Fixed-resolution
-backbones (LeViT) get every image resized to their ``img_size``. What still differs from mmdet is listed in
-docs/detection.md (*What differs from MMDetection*).
+"""Detectors from torchvision over any normexp backbone: RetinaNet (Lin et al. 2017) and Mask R-CNN (He et al.
+2017), each with an FPN on ``body.features(x)``, built to match the MMDetection 2.x configs the papers trained
+with (whai362/PVT ``detection/configs/_base_/models/retinanet_r50_fpn.py`` and ``mask_rcnn_r50_fpn.py``,
+mmdet 2.13; Swin's Mask R-CNN uses the same). The classes below are where torchvision's defaults differ from
+mmdet's; what still differs is in docs/detection.md (*What differs from MMDetection*). Fixed-resolution
+backbones (LeViT) get every image resized to their ``img_size``.
 """
 
 from __future__ import annotations
@@ -92,8 +68,7 @@ class UnroundedAnchorGenerator(AnchorGenerator):
 
 
 class MinIoUMatcher(Matcher):
-    """torchvision's matcher with mmdet's ``min_pos_iou``: a ground truth's best predictions become its
-    low-quality matches only if their IoU reaches ``min_pos_iou`` (mmdet ``MaxIoUAssigner``)."""
+    """torchvision's matcher with mmdet's ``min_pos_iou`` for low-quality matches (``MaxIoUAssigner``)."""
 
     def __init__(self, high_threshold: float, low_threshold: float, min_pos_iou: float) -> None:
         super().__init__(high_threshold, low_threshold, allow_low_quality_matches=True)
@@ -107,10 +82,8 @@ class MinIoUMatcher(Matcher):
 
 
 class AlignedRoIAlign(MultiScaleRoIAlign):
-    """mmdet's ``SingleRoIExtractor`` over mmcv's ``RoIAlign``: ``aligned=True`` (half-pixel offset;
-    torchvision's ``MultiScaleRoIAlign`` uses ``aligned=False``) and level ``floor(log2(sqrt(wh) / 56 +
-    1e-6))``,
-    clamped to the levels there are."""
+    """mmdet's ``SingleRoIExtractor`` over mmcv's ``RoIAlign``: ``aligned=True`` and level
+    ``floor(log2(sqrt(wh) / 56 + 1e-6))``, clamped to the levels there are."""
 
     def __init__(self, featmap_names: list[str], strides: Sequence[int], output_size: int,
                  sampling_ratio: int = 0) -> None:
@@ -182,10 +155,8 @@ def build_detector(body: Backbone, detector: str, num_classes: int, *, min_size:
                    rpn_min_pos_iou: float | None = RPN_MIN_POS_IOU,
                    options: dict[str, Any] | None = None) -> nn.Module:
     """A torchvision detector with ``body`` as its backbone; ``num_classes`` includes the background.
-
-    ``options``: further keyword arguments of torchvision's ``RetinaNet`` / ``MaskRCNN`` (thresholds, proposal
-    and sample counts). ``rpn_min_pos_iou``: the lowest IoU of the RPN's low-quality matches (None: any).
-    """
+    ``options``: further keyword arguments of torchvision's ``RetinaNet`` / ``MaskRCNN``;
+    ``rpn_min_pos_iou``: the lowest IoU of the RPN's low-quality matches (None: any)."""
     if detector not in DETECTORS:
         raise ValueError(f"unknown detector '{detector}'; available: {', '.join(DETECTORS)}")
     if not isinstance(body, Backbone) or not body.feature_strides:

@@ -1,18 +1,6 @@
-"""DINO's network (Caron et al. 2021, arXiv 2104.14294): a backbone and a projection head that takes the views
-of an image at several resolutions -- facebookresearch/dino ``vision_transformer.DINOHead`` and
-``utils.MultiCropWrapper``, written from their behaviour.
-
-* :class:`DINOHead`: an MLP (``nlayers`` Linear layers, GELU, ``hidden_dim`` wide, no BatchNorm: DINO's
-  ``use_bn_in_head=False``) to a ``bottleneck_dim`` vector, L2-normalised, then a weight-normalised linear
-  layer without bias to ``out_dim`` logits whose norm ``g`` is fixed at 1 with ``norm_last_layer``. The MLP
-  starts trunc-normal(0.02) with zero biases; the last layer as ``nn.Linear`` starts.
-* :class:`MultiCropNetwork`: the views of one resolution go through the backbone together (the first
-  consecutive ones of a size, then the next), their class-token features are concatenated in view order,
-  and the head runs once on all of them.
-
-Norm slots: the backbone's (the head has none); the placement walker reaches them through
-:meth:`MultiCropNetwork.norm_context` as in any model.
-"""
+"""DINO's network (Caron et al. 2021, arXiv 2104.14294): a backbone and a projection head over the views of
+an image at several resolutions -- facebookresearch/dino ``vision_transformer.DINOHead`` and
+``utils.MultiCropWrapper``, written from their behaviour. The head has no norm slot."""
 
 from __future__ import annotations
 
@@ -26,7 +14,8 @@ from .base import NormContext
 
 
 class DINOHead(nn.Module):
-    """DINO's projection head (see the module docstring)."""
+    """DINO's projection head: an MLP, L2 normalisation, a weight-normalised last layer
+    (``norm_last_layer``)."""
 
     def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 2048, bottleneck_dim: int = 256,
                  nlayers: int = 3, norm_last_layer: bool = True) -> None:
@@ -54,8 +43,8 @@ class DINOHead(nn.Module):
 
 
 class MultiCropNetwork(nn.Module):
-    """A backbone (built without a classifier: its output is the class token's feature) and a head, over a
-    list of views (see the module docstring)."""
+    """A classifier-free backbone and a head over a list of views, one backbone pass per run of equal
+    sizes."""
 
     def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
         super().__init__()
@@ -63,7 +52,6 @@ class MultiCropNetwork(nn.Module):
         self.norm_keep = [f"backbone.{pattern}" for pattern in getattr(backbone, "norm_keep", ())]
 
     def features(self, views: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-        """The backbone's features of every view, in view order, one backbone pass per run of equal sizes."""
         views = views if isinstance(views, (list, tuple)) else [views]
         sizes = torch.tensor([tuple(v.shape[-2:]) for v in views])
         changes = [0, *[i for i in range(1, len(views)) if not torch.equal(sizes[i], sizes[i - 1])],
@@ -80,6 +68,5 @@ class MultiCropNetwork(nn.Module):
         return self.backbone.norm_context(name.removeprefix("backbone."))
 
     def no_weight_decay(self) -> set[str]:
-        """None beyond the 1-D parameters and biases: DINO's optimizer decays the class token and the
-        position embedding (``utils.get_params_groups``)."""
+        """None beyond 1-D parameters and biases (DINO's ``utils.get_params_groups`` decays the rest)."""
         return set()

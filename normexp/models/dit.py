@@ -1,24 +1,11 @@
 """DiT, the class-conditional diffusion Transformer (Peebles & Xie 2023, arXiv 2212.09748), as
-facebookresearch/DiT ``models.py`` builds and initialises it: latent patches, fixed 2-D sin-cos position
-embeddings, a sinusoidal timestep embedding (256 frequencies) through a 2-layer MLP plus a class embedding
-(one extra "null" class for classifier-free guidance, used for a fraction ``class_dropout`` of the labels in
-training), blocks with adaLN-Zero conditioning, and a final adaLN layer predicting epsilon and, with
-``learn_sigma``, the variance interpolation (2x the input channels).
+facebookresearch/DiT ``models.py`` builds and initialises it; parameter names are DiT's, so its released
+checkpoints load. Its norm slots are affine-free (adaLN supplies shift and scale), so DyT there is the bare
+``tanh(alpha x)`` of DyT's DiT patch.
 
-Norm slots: each block's ``norm1`` / ``norm2`` and ``final_layer.norm_final``, LayerNorms *without* affine
-(eps 1e-6): the shift and scale come from the conditioning. The placement gives any normalizer there without a
-learnable affine, so DyT is the bare ``tanh(alpha x)`` DyT's DiT patch produces. Every slot sees the full
-token grid (``layout``, no prefix tokens).
-
-``zero_init`` is the initialisation recipe, after DiT's (xavier-uniform linears, zero biases, N(0, 0.02)
-class and timestep embeddings): ``"all"`` (DiT: every block's modulation and the final layer -- modulation
-and output projection -- start at zero, so each block starts as the identity), ``"blocks"`` (Derf's
-``DiT/models.py``: the blocks' zero-init kept, the final layer's dropped), ``"none"`` (DyT App. A and its
-``dynamic-tanh.patch``: no zero-init). A normalizer suggests its papers' recipe (``norm.model_defaults``).
-
-Sizes: S/B/L/XL (384/768/1024/1152 wide, 12/12/24/28 blocks, 6/12/16/16 heads) x patch 2/4/8 as
-``dit_s2`` ... ``dit_xl8``; ``dit_micro`` is the CPU member. Parameter names are DiT's, so its released
-checkpoints (``DiT-XL-2-256x256.pt``) load.
+``zero_init``: ``"all"`` (DiT's adaLN-Zero), ``"blocks"`` (Derf's ``DiT/models.py``: the final layer's
+dropped) or ``"none"`` (DyT App. A, ``dynamic-tanh.patch``); a normalizer suggests its paper's recipe
+(``norm.model_defaults``). Sizes ``dit_s2`` ... ``dit_xl8``; ``dit_micro`` is the CPU member.
 """
 
 from __future__ import annotations
@@ -45,8 +32,7 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 def timestep_frequencies(t: torch.Tensor, dim: int = 256, max_period: float = 10_000.0) -> torch.Tensor:
-    """[cos(t f_i), sin(t f_i)] with ``f_i = max_period^(-i / (dim/2))`` (DiT's ``timestep_embedding``);
-    ``t`` may be fractional."""
+    """[cos(t f_i), sin(t f_i)] (DiT's ``timestep_embedding``); ``t`` may be fractional."""
     half = dim // 2
     freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
     args = t[:, None].float() * freqs[None]
@@ -67,8 +53,8 @@ class TimestepEmbedder(nn.Module):
 
 
 class LabelEmbedder(nn.Module):
-    """Class embedding with one extra row, the null class (index ``num_classes``), which replaces each label
-    with probability ``dropout`` in training: the unconditional model of classifier-free guidance."""
+    """Class embedding with a null class (index ``num_classes``) replacing labels with probability
+    ``dropout``."""
 
     def __init__(self, num_classes: int, hidden: int, dropout: float) -> None:
         super().__init__()
@@ -83,8 +69,7 @@ class LabelEmbedder(nn.Module):
 
 
 class DiTBlock(nn.Module):
-    """Pre-norm attention and MLP, each input modulated by (shift, scale) and each output gated, all six
-    regressed from the conditioning (adaLN-Zero)."""
+    """Pre-norm attention and MLP with adaLN-Zero shift, scale and gate from the conditioning."""
 
     def __init__(self, hidden: int, heads: int, mlp_ratio: float) -> None:
         super().__init__()
@@ -175,8 +160,7 @@ class DiT(nn.Module):
                 "num_prefix_tokens": 0, "pooled": False}
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, p*p*C) patch outputs -> (B, C, H, W) (the order of the final linear's outputs: row, column,
-        channel within a patch)."""
+        """(B, T, p*p*C) patch outputs -> (B, C, H, W)."""
         (h, w), p = self.grid, self.patch
         x = x.reshape(x.shape[0], h, w, p, p, self.out_chans)
         return x.permute(0, 5, 1, 3, 2, 4).reshape(x.shape[0], self.out_chans, h * p, w * p)

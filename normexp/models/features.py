@@ -1,13 +1,6 @@
-"""Feature extractors that score generated images: each takes uint8 images (N, 3, H, W) and returns
-``{"features": (N, D), "logits": (N, K)}``; ``distance`` names the Frechet distance in its feature space.
-
-- :class:`InceptionFeatures`: torch-fidelity's port of the TensorFlow Inception-v3 graph of the FID papers
-  (``inception-v3-compat``, pool features 2048, unbiased logits for the Inception Score), from a local
-  weights file or torch-fidelity's own download on an online machine: ``fid``.
-- :class:`DigitsFeatures`: the CPU stand-in on the embedded digits -- a small convolutional classifier
-  (task=dit trains it once on the digits' training split and caches it by its settings): ``fd_digits``
-  (never "FID": its numbers are on another scale), and the fraction of samples it assigns to their class.
-"""
+"""Feature extractors that score generated images: uint8 (N, 3, H, W) -> ``{"features", "logits"}``.
+:class:`InceptionFeatures` is torch-fidelity's ``inception-v3-compat`` (``fid``); :class:`DigitsFeatures` the
+CPU stand-in on the digits (``fd_digits``, never "FID": its numbers are on another scale)."""
 
 from __future__ import annotations
 
@@ -35,8 +28,7 @@ def online(host: str = "github.com", timeout: float = 3.0) -> bool:
 
 
 def check_inception_weights(path: str | None) -> None:
-    """Before any work: the Inception weights are a readable file, or torch-fidelity's cached copy, or this
-    machine can download them."""
+    """Before any work: the Inception weights are a readable file, a cached copy, or downloadable."""
     if path:
         if not Path(path).is_file():
             raise UserError(f"task.fid.inception_weights={path} does not exist: give the path of "
@@ -50,8 +42,7 @@ def check_inception_weights(path: str | None) -> None:
 
 
 class InceptionFeatures(nn.Module):
-    """Pool features and unbiased logits of torch-fidelity's Inception-v3 (images resized to 299 as the
-    TensorFlow graph does)."""
+    """Pool features and unbiased logits of torch-fidelity's Inception-v3 (inputs resized to 299)."""
 
     distance, dims = "fid", 2048
 

@@ -1,57 +1,19 @@
-"""LeViT (Graham et al. 2021) on timm's ``Levit`` / ``LevitDistilled`` (linear mode).
+"""LeViT (Graham et al. 2021, arXiv 2104.01136) on timm's ``Levit`` / ``LevitDistilled`` (linear mode).
 
-Sizes follow the official ``specification`` (facebookresearch/LeViT ``levit.py``; arXiv 2104.01136): C =
-128_256_384 / 128_256_384 / 192_288_384 / 256_384_512 / 384_512_768, key dim 16 / 16 / 32 / 32 / 32, heads
-4_6_8 / 4_8_12 / 3_5_6 / 4_6_8 / 6_9_12, depths 2_3_4 / 4_4_4 / 4_4_4 / 4_4_4 / 4_4_4, a stride-16 conv stem
-and stride-2 attention subsampling between stages (stage grids 14, 7, 4 at 224 px).
+Sizes follow the official ``specification`` (facebookresearch/LeViT ``levit.py``). LeViT has no LayerNorm:
+its normalizer is the BatchNorm after every conv and linear (``Conv2d_BN`` / ``Linear_BN``), so ``norm=bn``
+is LeViT as published (tested against timm) and ``norm=<x>`` puts x in each of those slots. The token
+linears' slots (:class:`TokenLinearNorm`) see the (B, N, C) output as the (B, C, H, W) map of the stage's
+grid, since BatchNorm slots are ``channels_first``; the classifier's ``BN_Linear`` sees pooled vectors and
+stays BatchNorm (``norm_keep``). A normalizer in a residual branch's last slot starts with its weight scaled
+by LeViT's 0 init. ``block`` counts the subsample attention as a block; ``num_heads`` is the slot
+attention's head count where it divides the channels, else its largest divisor below it.
 
-**Norm slots.** LeViT has no LayerNorm: its normalizer is the BatchNorm after every conv and linear
-(official ``Conv2d_BN`` / ``Linear_BN``, timm ``ConvNorm`` / ``LinearNorm``), so ``norm=bn`` is LeViT as
-published and ``norm=<x>`` puts x in every one of those slots:
-
-* stem ``ConvNorm``: the slot sees the (B, C, H, W) conv map (grid from the shape);
-* every ``LinearNorm`` of the attention (qkv, proj), the MLP and the subsample attention (kv, q, proj):
-  timm flattens the tokens to (B*N, C) for its BatchNorm1d, which a token normalizer cannot use. Here
-  :class:`TokenLinearNorm` replaces it: its slot sees the linear's (B, N, C) output as the (B, C, H, W)
-  map of its grid -- a zero-copy view (channels-last memory). Why a map and not (B, N, C) tokens with a
-  layout: ``placement.slot_shape`` hands every BatchNorm slot ``data_format="channels_first"``, so a
-  replacement normalizer reads dim 1 as channels; as a map, every normalizer gets the right channels and
-  the grid from the shape, and computes exactly what it computes on the (B, N, C) tokens with the grid
-  as layout (tested for every registered normalizer). The grid comes from the stage's TokenLayout (one
-  per stage, set by a hook on the stem for stage 0 and on each subsample attention for the next stage;
-  the subsample attention's kv sees the previous stage's grid, its queries, proj and MLP the subsampled
-  one). BatchNorm over a (B, C, H, W) map is BatchNorm1d over (B*N, C): the same statistics, so
-  ``norm=bn`` still equals timm's LeViT (tested against timm at train and eval);
-* the classifier's ``BN_Linear`` (``head.bn``, ``head_dist.bn``) sees the pooled (B, C) vector: no token,
-  no grid, so it is in ``norm_keep`` and stays BatchNorm under every normalizer. (Its running statistics
-  lag the features when they move fast: in 3-epoch demo runs at peak lr the eval accuracy can dip for
-  a few epochs; 30 epochs with norm=ln reach 98 %.)
-
-LeViT initialises the BatchNorm weight at the end of each residual branch (attention proj, MLP second
-linear) to 0; a normalizer swapped into such a slot gets its own weight init scaled by that factor too,
-so every ``norm=<x>`` starts with the same zero residual branches.
-
-``block`` counts the subsample attention (attention + MLP residual, "shrink attention" in the paper)
-as a block: stage 0's blocks, then stage 1's subsample block and its blocks, and so on. ``num_heads`` is
-the head count of the slot's attention (the subsample attention has ``in_dim // key_dim`` heads) where it
-divides the slot's channels (always for qkv, kv and q, laid out per head); LeViT's other widths are not
-all multiples of it (256 / 6, 288 / 5, 512 / 9), and there the largest divisor of the channel count below
-the head count is used (for DTN's per-head statistics and GroupNorm's groups).
-
-**Distillation head.** timm builds ``LevitDistilled`` (a second classifier ``head_dist``), which the published
-parameter counts include (facebookresearch/LeViT README model zoo), so ``distilled=True`` is the default. Our
-trainer has no teacher: the model returns the average of the two heads in training and eval (timm's behaviour
-with ``distilled_training=False``; LeViT's eval also averages them), so both heads learn from the label.
-``distilled=False`` builds the single-head ``Levit``.
-
-LeViT is fixed-resolution: the attention biases are built for the stage grids of ``img_size``, which must
-be divisible by the stem stride, and the input must have that size. ``features(x)`` returns the three
-stage maps in NCHW at strides ``stem_stride * (1, 2, 4)`` (16 / 32 / 64 at 224 px).
-
-``levit_micro`` is the CPU demo member: 16 px input and a stride-2 stem (LeViT's stride-16 stem cut to
-one 3x3 stride-2 ConvNorm, 3 -> 64), so its stages run on 8x8, 4x4 and 2x2 grids -- the full stem would
-leave 1x1 grids even at 32 px, where instance statistics over one token are undefined. Widths
-64 / 96 / 128, key dim 16, heads 2 / 3 / 4, one block per stage.
+``distilled=True`` (default; the published parameter counts include ``head_dist``) averages the two heads in
+training and eval (timm's ``distilled_training=False``): there is no teacher. LeViT is fixed-resolution:
+``img_size`` must be divisible by the stem stride and the input must have that size. ``features(x)`` returns
+the three stage maps (NCHW, strides ``stem_stride * (1, 2, 4)``). ``levit_micro`` (the CPU demo) has a
+16 px input and a stride-2 stem, so its stages run on 8x8, 4x4 and 2x2 grids.
 """
 
 from __future__ import annotations
@@ -75,11 +37,7 @@ def slot_heads(channels: int, heads: int) -> int:
 
 
 class TokenLinearNorm(nn.Module):
-    """Linear + norm for (B, N, C) tokens; the norm slot ``bn`` sees the (B, C, H, W) map of the tokens.
-
-    Built as published: ``bn`` is a BatchNorm2d whose weight starts at ``bn_weight_init`` (timm/official
-    ``Linear_BN``), state_dict keys as timm's ``LinearNorm``. The grid is ``layout.grid``.
-    """
+    """Linear + norm for (B, N, C) tokens (timm's ``LinearNorm`` keys); ``bn`` sees the (B, C, H, W) map."""
 
     def __init__(self, linear: nn.Linear, layout: TokenLayout, bn_weight_init: float = 1.0) -> None:
         super().__init__()
@@ -112,7 +70,6 @@ class TokenLinearNorm(nn.Module):
 
     @classmethod
     def from_timm(cls, module: LinearNorm, layout: TokenLayout) -> TokenLinearNorm:
-        """The same linear and BatchNorm init as timm's ``module``."""
         weight = module.bn.weight.detach()
         init = 1.0 if weight.is_meta else float(weight.flatten()[0])  # meta device (a dry build): no values
         new = cls(module.linear, layout, bn_weight_init=init)
@@ -193,14 +150,12 @@ class _LeViTNorms:
         self.feature_strides = [stem_stride * 2 ** i for i in range(len(self.stages))]
 
     def _token_layout(self, stage: int, name: str) -> TokenLayout:
-        """Layout of the tokens a LinearNorm at ``name`` (inside ``stages[stage]``) sees."""
         # the subsample attention's keys/values are computed on the previous stage's grid
         kv = name.startswith("downsample.attn_downsample.kv")
         return self.stage_layouts[stage - 1 if kv else stage]
 
     def norm_context(self, name: str) -> NormContext:
-        """Context for the norm slot ``name``: its block index, head count and token layout (also once a
-        normalizer is in the slot: the analysis asks after the placement)."""
+        """Context for the norm slot ``name``: block index, head count, token layout."""
         slot = self.get_submodule(name)
         channels = getattr(slot, "num_features", None) or getattr(slot, "dim", None) \
             or slot.normalized_shape[-1]
@@ -227,7 +182,6 @@ class _LeViTNorms:
         return super().forward_features(x)
 
     def features(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The stage maps, NCHW, at ``feature_strides``."""
         self._check_size(x)
         x = self.stem(x).flatten(2).transpose(1, 2)
         maps = []

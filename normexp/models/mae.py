@@ -1,21 +1,8 @@
 """Masked autoencoder (He et al. 2022, arXiv 2111.06377) around a normexp ViT: what facebookresearch/mae
-``models_mae.py`` computes, written from the paper and that file's behaviour.
-
-* The encoder is a normexp ViT (``vit_*``; with ``dtn_blocks`` the class token joins before block k, as in
-  its classifier) with a fixed 2-D sin-cos position embedding; it sees the class token and the visible
-  patches: each sample keeps ``int(L * (1 - mask_ratio))`` patches chosen by the argsort of uniform noise
-  (``ids_restore`` undoes the shuffle), as MAE's ``random_masking``.
-* The decoder: a linear map to its width, mask tokens at the masked positions (unshuffled), its own fixed
-  sin-cos embedding, ``depth`` timm blocks, a norm and a linear prediction of each patch's pixels.
-* The loss: mean squared error on the masked patches only; with ``norm_pix_loss`` the targets are the
-  patches standardised by their own mean and (unbiased) variance.
-* MAE's initialisation after construction: xavier-uniform Linear weights (the fused qkv too) and patch
-  projection (as a matrix), zero biases, LayerNorm 1 / 0, class and mask tokens normal(0.02).
-
-Norm slots: every one of the encoder's (its final norm included) and the decoder's, through the placement
-walker like any model (:meth:`MaskedAutoencoder.norm_context`) -- what DyT's patch of MAE does with
-``convert_ln_to_dyt(model)``. The encoder's token layout carries the visible tokens' grid positions while
-they pass (``TokenLayout.positions``), the decoder's layout the full grid: DTN takes its statistics from them.
+``models_mae.py`` computes (random masking, sin-cos embeddings, the decoder, the masked MSE with
+``norm_pix_loss``, MAE's init), written from the paper and that file's behaviour. Every norm slot of encoder
+and decoder goes through the placement, as DyT's MAE patch does with ``convert_ln_to_dyt``; the encoder's
+layout carries the visible tokens' grid positions (``TokenLayout.positions``).
 """
 
 from __future__ import annotations
@@ -40,8 +27,7 @@ def sincos_1d(dim: int, positions: np.ndarray) -> np.ndarray:
 
 
 def sincos_2d(dim: int, grid: tuple[int, int], cls_token: bool) -> torch.Tensor:
-    """(1, [1 +] h*w, dim) for a grid in raster order: the first half of the channels encodes the column, the
-    second the row (MAE's ``get_2d_sincos_pos_embed``); a class token gets zeros."""
+    """(1, [1 +] h*w, dim) as MAE's ``get_2d_sincos_pos_embed``; a class token gets zeros."""
     if dim % 4:
         raise ValueError(f"a 2-D sin-cos position embedding needs a width divisible by 4, got {dim}")
     h, w = grid
@@ -70,8 +56,8 @@ def unpatchify(patches: torch.Tensor, patch: int, grid: tuple[int, int]) -> torc
 
 def random_masking(x: torch.Tensor, mask_ratio: float, noise: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample random masking by sorting uniform ``noise`` (N, L): (the kept tokens (N, keep, D), the mask
-    (N, L; 1 = masked), ``ids_restore`` (N, L: where each token went), ``ids_keep`` (N, keep))."""
+    """MAE's ``random_masking`` by sorting ``noise`` (N, L): (kept tokens, mask (1 = masked), ids_restore,
+    ids_keep)."""
     n, length, d = x.shape
     keep = int(length * (1 - mask_ratio))
     if noise is None:
@@ -102,7 +88,7 @@ def masked_loss(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tens
 
 # ---------------------------------------------------------------- the model
 class MaskedAutoencoder(nn.Module):
-    """MAE around ``encoder`` (a normexp ViT built without a head); see the module docstring."""
+    """MAE around ``encoder`` (a normexp ViT built without a head)."""
 
     residual_scales = ("decoder_blocks.*.attn", "decoder_blocks.*.mlp")  # the encoder declares its own
 
@@ -160,16 +146,14 @@ class MaskedAutoencoder(nn.Module):
 
     # ------------------------------------------------------------ the contract of a model with norm slots
     def norm_context(self, name: str) -> NormContext:
-        """The encoder's slots: the encoder's context; the decoder's: its heads and its full-grid layout
-        (outside any encoder block, so ``norm.placement.first_blocks`` leaves them as built)."""
+        """The encoder's slots: its context; the decoder's: outside any encoder block, on the full grid."""
         if name.startswith("encoder."):
             return self.encoder.norm_context(name.removeprefix("encoder."))
         return {"block": None, "num_heads": self.decoder_heads, "layout": self.decoder_layout,
                 "num_prefix_tokens": 1, "pooled": False}
 
     def no_weight_decay(self) -> set[str]:
-        """The frozen position embeddings (MAE's optimizer exempts only 1-D parameters and biases: the class
-        and mask tokens are decayed)."""
+        """The frozen position embeddings (the class and mask tokens are decayed, as in MAE)."""
         return {"encoder.pos_embed", "decoder_pos_embed"}
 
     # ------------------------------------------------------------ forward
@@ -201,7 +185,6 @@ class MaskedAutoencoder(nn.Module):
         return x, mask, ids_restore
 
     def forward_decoder(self, x: torch.Tensor, ids_restore: torch.Tensor) -> torch.Tensor:
-        """Every patch's predicted pixels (N, L, patch * patch * C) from the encoded visible tokens."""
         x = self.decoder_embed(x)
         n, length = ids_restore.shape
         tokens = torch.cat([x[:, 1:], self.mask_token.expand(n, length - x.shape[1] + 1, -1)], dim=1)

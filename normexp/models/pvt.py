@@ -1,53 +1,13 @@
 """PVT v1, the Pyramid Vision Transformer (Wang et al., ICCV 2021, arXiv 2102.12122).
 
-timm has no PVT v1 (only ``pvt_v2.py``), so this file builds it from the paper (Sec. 3, Table 1) and the
-official code's structure (whai362/PVT ``classification/pvt.py``). Module names follow that code's
-(``patch_embed{s}``, ``pos_embed{s}``, ``block{s}``, ``cls_token``, ``norm``, ``head``;
-``attn.q/kv/proj/sr/norm``, ``mlp.fc1/fc2``), meant to match the official state_dict (not checked: no
-checkpoint is reachable here).
-
-* 4 stages; stage i embeds non-overlapping patches (Conv2d kernel = stride = P_i, bias, then LayerNorm eps
-  1e-5), adds a learned position embedding (resized bilinearly when the grid differs from the one built
-  for ``img_size``, as the v2-branch copy of the code does), runs its blocks on (B, N, C) tokens and hands
-  a (B, C, H, W) map to the next stage. P = (4, 2, 2, 2): output strides 4, 8, 16, 32.
-* The class token joins in stage 4 only, just before the stage-4 position embedding (which has one extra
-  slot for it). The final LayerNorm runs on all stage-4 tokens; the head reads the class token.
-* Pre-norm blocks (LayerNorm eps 1e-6): ``x + DropPath(SRA(LN(x)))``, ``x + DropPath(MLP(LN(x)))``; MLP
-  Linear -> GELU -> Linear with ratio E_i; drop path linear in 0..``drop_path_rate`` over all blocks.
-* Spatial-reduction attention: q = Linear(C, C); with R > 1 the tokens are reshaped to (C, H, W), reduced by
-  Conv2d(C, C, kernel = stride = R), flattened and layer-normed (eps 1e-5) before kv = Linear(C, 2C).
-* Init: Linear trunc-normal std 0.02 with zero bias, LayerNorm (1, 0), position embeddings and class token
-  trunc-normal std 0.02, convolutions keep PyTorch's default init.
-
-Sizes (paper Table 1; ``classification/configs/pvt/``): tiny 2-2-2-2, small 3-4-6-3, medium 3-4-18-3, large
-3-8-27-3; C = 64/128/320/512, heads 1/2/5/8 (head dim 64), E = 8/8/4/4, R = 8/4/2/1. ``num_heads=(4, 4, 5,
-8)`` gives the DTN code's PVT (wqshao126/DTN ``models/pvt_norm.py``); the parameter count does not change with
-the head count.
-
-Norm slots and what each sees (``norm_context``; one :class:`TokenLayout` per stage, its grid set by a
-forward hook on the stage's patch-embedding conv, so it follows the input size):
-
-* ``block{s}.{j}.norm1`` / ``norm2``: the stage's tokens; stage 4's are ``[cls, grid]``, so its layout
-  has ``num_prefix_tokens=1`` (DTN gives the class token LN statistics only).
-* ``block{s}.{j}.attn.norm`` (R > 1 only): the *reduced* grid (H // R, W // R). It gets a layout of its own
-  per stage, set by a forward hook on the ``attn.sr`` conv from the conv's output, so the grid it sees is
-  exact for every input size (it is not listed in ``norm_keep``).
-* ``patch_embed{s}.norm``: the stage's grid tokens before the class token joins (prefix 0).
-* ``norm`` (final): all stage-4 tokens, class token first.
-
-By default ``norm=<x>`` replaces every one of these slots. ``dtn_stages=k`` gives the DTN code's placement
-(``pvt_norm.py``, with k = 3): only norm1/norm2 of the blocks of stages 1..k take the configured normalizer;
-the later stages, the sr-branch norms, the patch-embedding norms and the final norm keep LayerNorm.
-The DTN code's model is therefore ``num_heads=(4, 4, 5, 8), dtn_stages=3``.
-
-Weight decay: ``no_weight_decay()`` is the class token only, as in the PVT and DTN code (their position
-embeddings are decayed); ``decay_pos_embed=False`` also exempts the position embeddings, as ViT does.
-
-``pvt_micro`` is the CPU-demo member: the same architecture at 16 px with a 1 px stem patch (strides 1, 2, 4,
-8 -> grids 16x16, 8x8, 4x4, 2x2 + class token; with a 2 px stem the last grid would be 1x1 and the
-stage-4 patch-embedding norm would see a single token, which instance norm cannot normalise), PVT-Tiny
-halved in width (C = 32/64/160/256, heads 1/2/5/8: head dim 32, E = 8/8/4/4), one block per stage and
-R = 4/2/1/1 (kv grids 4x4, 4x4, 4x4, 2x2 + cls, as PVT keeps them 7x7 at 224 px).
+timm has no PVT v1, so this builds it from the paper (Sec. 3, Table 1) with the official code's module names
+(whai362/PVT ``classification/pvt.py``). The class token joins in stage 4 only. ``num_heads=(4, 4, 5, 8),
+dtn_stages=3`` gives the DTN code's PVT (wqshao126/DTN ``models/pvt_norm.py``): only norm1/norm2 of stages
+1..k take the configured normalizer, the other slots keep LayerNorm; by default ``norm=<x>`` fills every
+slot. Each stage's layout follows the input size (hooks on the patch-embedding and ``attn.sr`` convs).
+``no_weight_decay()`` is the class token only, as in the PVT and DTN code; ``decay_pos_embed=False`` also
+exempts the position embeddings. ``pvt_micro`` (the CPU demo) has a 1 px stem patch at 16 px, so stage 4
+still has a 2x2 grid.
 """
 
 from __future__ import annotations
@@ -117,7 +77,6 @@ class SpatialReductionAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + DropPath(SRA(LN(x))), x + DropPath(MLP(LN(x))); LayerNorm eps 1e-6."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float, sr_ratio: int, qkv_bias: bool = True,
                  proj_drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0) -> None:
@@ -134,8 +93,7 @@ class Block(nn.Module):
 
 
 class PyramidVisionTransformer(Backbone):
-    """PVT v1 (see the module docstring). ``features(x)`` returns the 4 stage maps (NCHW, strides
-    ``feature_strides``)."""
+    """PVT v1. ``features(x)`` returns the 4 stage maps (NCHW, strides ``feature_strides``)."""
 
     residual_scales = ("block[1-4].*.attn", "block[1-4].*.mlp")
 
@@ -241,7 +199,6 @@ class PyramidVisionTransformer(Backbone):
 
     # ---------------------------------------------------------------- norm slots
     def norm_context(self, name: str) -> NormContext:
-        """Block index, head count and token layout of the norm slot ``name`` (see the module docstring)."""
         last = self.num_stages - 1
         if m := re.match(r"block(\d+)\.(\d+)\.", name):
             stage, j = int(m.group(1)) - 1, int(m.group(2))
@@ -263,8 +220,7 @@ class PyramidVisionTransformer(Backbone):
 
     # ---------------------------------------------------------------- forward
     def _pos_embed(self, stage: int, grid: tuple[int, int], class_token: bool) -> torch.Tensor:
-        """The stage's position embedding, resized bilinearly when ``grid`` is not the built one; the last
-        stage's class-token slot only with ``class_token``."""
+        """The stage's position embedding, resized bilinearly when ``grid`` is not the built one."""
         pos = getattr(self, f"pos_embed{stage + 1}")
         prefix = 1 if stage == self.num_stages - 1 else 0
         cls_pos, grid_pos = pos[:, :prefix if class_token else 0], pos[:, prefix:]
@@ -277,8 +233,7 @@ class PyramidVisionTransformer(Backbone):
 
     def _forward_stages(self, x: torch.Tensor, class_token: bool = True
                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(stage-4 tokens [cls, grid] -- [grid] without ``class_token`` -- before the final norm, the 4 stage
-        maps NCHW)."""
+        """(stage-4 tokens before the final norm, the 4 stage maps NCHW)."""
         maps = []
         b = x.shape[0]
         for i in range(self.num_stages):
@@ -295,7 +250,6 @@ class PyramidVisionTransformer(Backbone):
         return tokens, maps
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Stage-4 tokens ``[cls, grid]`` after the final norm (B, 1 + H*W, C)."""
         return self.norm(self._forward_stages(x)[0])
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -306,12 +260,8 @@ class PyramidVisionTransformer(Backbone):
         return self.forward_head(self.forward_features(x))
 
     def features(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The 4 stage maps (B, C_i, H/s_i, W/s_i), NCHW, strides ``feature_strides`` (4, 8, 16, 32).
-
-        As PVT's detection backbone (whai362/PVT ``detection/pvt.py``) runs them: without the class token
-        (stage 4 attends over its grid tokens only and adds ``pos_embed4[:, 1:]``) and without the final
-        norm, which belongs to the classifier, as stages 1-3 end without a norm.
-        """
+        """The 4 stage maps, NCHW, as PVT's detection backbone (whai362/PVT ``detection/pvt.py``) runs them:
+        without the class token and without the final norm."""
         return self._forward_stages(x, class_token=False)[1]
 
 

@@ -1,32 +1,10 @@
-"""PVT v2 (Wang et al., CVMJ 2022) on timm's ``PyramidVisionTransformerV2``.
+"""PVT v2 (Wang et al., CVMJ 2022, arXiv 2106.13797) on timm's ``PyramidVisionTransformerV2``, whose
+definitions give the official parameter counts (whai362/PVT README, branch v2).
 
-timm's definitions give the official parameter counts (whai362/PVT README, branch v2: B0 3.7M ... B5 82.0M;
-the paper's 3.4M / 13.1M for B0 / B1 predate a README fix). Sizes: B0 C = 32/64/160/256, B1-B5
-C = 64/128/320/512; heads 1/2/5/8; R = 8/4/2/1; E = 8/8/4/4 (B5: 4/4/4/4); depths B0/B1 2-2-2-2, B2 3-4-6-3,
-B3 3-4-18-3, B4 3-8-27-3, B5 3-6-40-3; B2-Li = B2 with linear SRA (7x7 average pool + 1x1 conv).
-
-What this subclass adds: ``norm_context`` for the norm-slot swap, one :class:`TokenLayout` per stage,
-``features()`` and the ``img_size`` keyword every backbone takes (PVT v2 has no position embedding, so any
-input size runs; ``img_size`` is only recorded). Norm slots and what each sees:
-
-* ``patch_embed.norm`` / ``stages.{i}.downsample.norm``: the overlapping patch embedding's (B, H, W, C) map
-  (the grid is in the shape).
-* ``stages.{i}.blocks.{j}.norm1`` / ``norm2`` and the stage-final ``stages.{i}.norm``: the stage's (B, N, C)
-  tokens (timm passes H, W separately). Their layout's grid is set by a forward hook on the stage's
-  patch-embedding conv (``patch_embed.proj`` for stage 0, ``stages.{i}.downsample.proj`` after), so it
-  follows the input size.
-* ``stages.{i}.blocks.{j}.attn.norm`` (R > 1, or every stage with ``linear=True``): the tokens after the
-  spatial-reduction conv, on the reduced grid (H // R, W // R), or 7x7 after the linear variant's adaptive
-  pool. They get a layout of their own per stage, set by a forward hook on ``attn.sr`` from its output, so
-  the grid is exact for every input size (not listed in ``norm_keep``).
-
-There is no class token (mean pooling), so every layout has ``num_prefix_tokens=0``. By default
-``norm=<x>`` replaces every slot (``norm.placement.keep`` narrows it).
-
-``pvt_v2_micro`` is the CPU-demo member: B0's widths and heads (C = 32/64/160/256, heads 1/2/5/8) at 16 px,
-one block per stage, the overlapping stem at stride 1 (patch 3) instead of 4 (patch 7), so the stage grids
-are 16, 8, 4, 2 (strides 1, 2, 4, 8; a 1x1 last stage would leave instance norm a single token), and
-R = 4/2/1/1 (kv grids 4x4, 4x4, 4x4, 2x2, as B0 keeps them 7x7 at 224 px).
+This subclass adds ``norm_context`` (one :class:`TokenLayout` per stage, and one per stage for the
+spatial-reduction norms ``attn.norm``, each set by a hook so it follows the input size), ``features()`` and an
+``img_size`` keyword (only recorded: any input size runs). There is no class token. ``pvt_v2_micro`` is the
+CPU demo member: B0's widths at 16 px with a stride-1 stem.
 """
 
 from __future__ import annotations
@@ -74,7 +52,6 @@ class PVTv2(PyramidVisionTransformerV2, Backbone):
                     blk.attn.sr.register_forward_hook(GridHook(self.sr_layouts[i]))
 
     def norm_context(self, name: str) -> NormContext:
-        """Block index, head count and token layout of the norm slot ``name`` (see the module docstring)."""
         if name.startswith("patch_embed."):
             stage, block, layout = 0, None, self.stage_layouts[0]
         elif m := re.match(r"stages\.(\d+)\.blocks\.(\d+)\.", name):

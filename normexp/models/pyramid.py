@@ -1,10 +1,5 @@
-"""Feature pyramids for dense tasks.
-
-Every backbone offers ``features(x) -> list of NCHW maps`` with ``feature_channels`` and
-``feature_strides`` (input pixels per map pixel). Hierarchical models return their stage maps; plain
-models (ViT, T2T-ViT) build a simple pyramid from their single map with ViTDet's adapters (Li et al.
-2022): two stride-2 deconvolutions for x4, one for x2, identity, and a 2x2 max-pool for x0.5.
-"""
+"""ViTDet's simple feature pyramid (Li et al. 2022, arXiv 2203.16527) for plain models: deconvolutions for
+x4 and x2, identity, a max-pool for x0.5."""
 
 from __future__ import annotations
 

@@ -1,37 +1,11 @@
-"""Swin Transformer (Liu et al. 2021) on timm's ``SwinTransformer``.
+"""Swin Transformer (Liu et al. 2021, arXiv 2103.14030) on timm's ``SwinTransformer``; sizes follow the
+official configs (microsoft/Swin-Transformer ``configs/swin/*.yaml``), ``swin_micro`` is the CPU demo member.
 
-Sizes follow the official configs (microsoft/Swin-Transformer ``configs/swin/*.yaml``; arXiv 2103.14030):
-patch 4, window 7, embed 96 / 96 / 128, depths 2-2-6-2 / 2-2-18-2 / 2-2-18-2, heads 3-6-12-24 / 3-6-12-24 /
-4-8-16-32. ``swin_micro`` is the same architecture scaled down for the CPU demo: 16 px input, patch 1, window
-4, 24 wide, depths 1-1-2-1, heads 1-2-4-8 (stage grids 16, 8, 4, 2: window 4 divides the first three, timm
-shrinks it to the 2x2 last stage, and no stage is 1x1 -- a 1x1 stage leaves instance/token statistics a single
-token).
-
-Norm slots and what they see (timm 1.0.31 ``swin_transformer.py``):
-
-* ``patch_embed.norm``: the (B, H, W, C) patch map of stage 0;
-* ``layers.i.downsample.norm`` (patch merging, stages 1-3): the merged (B, H/2, W/2, 4C) map of stage i;
-* ``layers.i.blocks.j.norm1``: the (B, H, W, C) stage map, *before* the window partition -- so a
-  grid-aware normalizer (DTN) takes its statistics over the whole stage map (average-pooled to DTN's
-  ``pool_size`` above 14x14), not per window;
-* ``layers.i.blocks.j.norm2``: the same tokens flattened to (B, H*W, C) (timm reshapes before the MLP);
-  these get the stage's :class:`TokenLayout`, set on every forward by a hook on the stage's patch
-  embedding (``layers.i.downsample``: patch merging, or the identity in stage 0, whose output is the
-  stage's map);
-* ``norm``: the final (B, H, W, C) map of stage 3.
-
-Every slot is on its stage's grid, so nothing is kept (``norm_keep`` is empty). ``num_heads`` is the head
-count of the stage the slot belongs to (a merged map belongs to the stage it starts).
-
-``img_size`` sets the grid the attention masks are built for; ``dynamic_img_size=True`` (timm's
-``strict_img_size=False``) accepts any size divisible by the patch. ``features(x)`` returns the four
-stage maps (before the final norm, as timm's ``features_only``) in NCHW at strides
-``patch_size * (1, 2, 4, 8)``; ``feature_norms=True`` (dense tasks) puts a norm on each of them, as the
-official detection backbone does (``feature_norms.<stage>`` slots, on that stage's grid). The windows are
-those of the detection code at every size (:class:`PadThenShiftBlock`), and dense tasks build the paper
-sizes with ``always_partition=True``: 7x7 windows with every other block shifted in every stage, as that
-code runs them (timm shrinks the window and drops the shift where a stage is no larger than the window,
-as the classification code does at 224 px).
+Every norm slot is on its stage's grid: ``norm1`` sees the stage map before the window partition (DTN's
+statistics are over the whole map, not per window), ``norm2`` the flattened tokens with the stage's layout.
+``dynamic_img_size=True`` accepts any size divisible by the patch. ``features(x)`` returns the four stage maps
+(NCHW); ``feature_norms=True`` adds a norm on each, as the official detection backbone does, and
+``always_partition=True`` keeps 7x7 shifted windows in every stage as that code runs them.
 """
 
 from __future__ import annotations
@@ -49,12 +23,9 @@ from .registry import register_model
 
 
 class PadThenShiftBlock(timm_swin.SwinTransformerBlock):
-    """timm's block with the window attention of Swin's detection code: pad the map to a window multiple,
-    then shift it, with the shifted-window mask built on the padded grid (SwinTransformer/Swin-Transformer-
-    Object-Detection ``mmdet/models/backbones/swin_transformer.py``, ``SwinTransformerBlock.forward`` and
-    ``BasicLayer.forward``). timm 1.0.31 shifts first and pads after, so on a grid that is not a window
-    multiple its wrap seam falls inside the padded windows where the mask does not expect it. On a window
-    multiple (the classification sizes) both are the same."""
+    """timm's block with the window attention of Swin's detection code (SwinTransformer/Swin-Transformer-
+    Object-Detection ``mmdet/models/backbones/swin_transformer.py``): pad to a window multiple, then shift,
+    the mask built on the padded grid; timm shifts first. On a window multiple both are the same."""
 
     def _attn(self, x: torch.Tensor) -> torch.Tensor:
         _, h, w, c = x.shape
@@ -101,7 +72,6 @@ class Swin(timm_swin.SwinTransformer, Backbone):
             if feature_norms else None
 
     def norm_context(self, name: str) -> NormContext:
-        """Context for the norm slot ``name``: its block index, head count and stage token layout."""
         parts = name.split(".")
         block = None
         if parts[0] == "layers":

@@ -1,56 +1,15 @@
 """T2T-ViT (Yuan et al., ICCV 2021, arXiv 2101.11986).
 
-timm has no T2T-ViT and the official code is under the Clear BSD licence, so this is a clean-room
-implementation from the paper (Sec. 3, Table 1) and the README's published sizes and counts, not a port.
+timm has no T2T-ViT and the official code (yitu-opensource/T2T-ViT) is under the Clear BSD licence, so this is
+a clean-room implementation from the paper (Sec. 3, Table 1); its parameter counts equal the official ones for
+both T2T layer types (Performer, paper Sec. 3.1, and Transformer, the T2T-ViT_t models). The fixed sinusoidal
+position table is a frozen Parameter (the README counts it) and is recomputed, not interpolated, at another
+input size; soft splits use their actual output grids, so non-square inputs work.
 
-Structure (paper Sec. 3.1-3.2, Fig. 4), shapes at 224 px with the published soft-split schedule:
-
-* **Tokens-to-token module** (``tokens_to_token``): three overlapping soft splits (``nn.Unfold``) with
-  (kernel, stride, padding) = (7, 4, 2), (3, 2, 1), (3, 2, 1). Between them a T2T layer (``layers.0`` on the
-  56x56 grid, 147 -> 64 channels; ``layers.1`` on the 28x28 grid, 576 -> 64) works on the tokens, which are
-  then re-structured into a 64-channel map for the next split. The last split (14x14, 576 channels) is
-  projected to the backbone width D by ``project``.
-  - Performer layer (default, ``tokens_type="performer"``, paper Sec. 3.1): LN, Linear(in, 3*64) with bias
-    split k, q, v; 32 frozen orthogonal random features (x sqrt(32)); linear attention in float32;
-    ``v + Dropout(0.1)(proj(y))``; LN + MLP(64 -> 64 -> 64) + Dropout(0.1).
-  - Transformer layer (``tokens_type="transformer"``, the T2T-ViT_t models): LN, qkv without
-    bias, one head, softmax attention scaled by ``in_dim ** -0.5`` (the published quirk), ``v + proj(y)``,
-    LN + MLP(64 -> 64 -> 64), no dropout.
-* **Backbone**: a class token (trunc-normal 0.02) is prepended from the start, a *fixed sinusoidal* position
-  table is added (a ``requires_grad=False`` Parameter, as published, so the parameter counts match the README,
-  which counts it), then ``depth`` pre-norm ViT blocks (timm's ``Block``: qkv without bias, LN eps 1e-5,
-  drop path rising linearly to ``drop_path_rate``), the final LN on the class token and a linear head.
-
-Parameter counts (224 px, 1000 classes, frozen parameters included as the README does) equal the official
-exact counts (yitu-opensource/T2T-ViT's model definitions) to the parameter, for both T2T layer types.
-
-Beyond the published model (documented choices):
-
-* The re-structurisation uses the grid each soft split produces (from the input size and the unfold
-  parameters), not the square root of the token count, so non-square inputs work.
-* At an input size other than ``img_size`` the sinusoidal table is recomputed for the new token count -- the
-  exact table a model built at that size holds (it is a fixed function of the count), never interpolated.
-* ``t2t_vit_micro`` (the CPU digits demo) is the same architecture at 16 px with the soft-split schedule
-  (3, 1, 1), (3, 2, 1), (3, 1, 1): the T2T layers see 16x16 then 8x8 tokens and the backbone an 8x8 grid
-  (64 tokens + class token, total stride 2, like ``vit_micro``), T2T width 32, backbone 96 wide, 4 blocks,
-  4 heads, MLP ratio 2.
-
-Norm slots and their context (``norm_context``): every LayerNorm of both parts is a slot.
-
-* ``tokens_to_token.layers.{i}.norm1/norm2``: T2T layer i, ``block`` = i (the T2T layers are the first
-  transformer blocks in forward order), ``num_heads`` = 1 (the published single head, so DTN there has
-  H = 1), ``layout`` = the layout of layer i's own grid (56x56 then 28x28 at 224 px), no prefix tokens.
-  Both norms of a layer see its grid: norm1 the soft-split tokens (in_dim wide), norm2 the 64-wide tokens.
-* ``blocks.{j}.norm1/norm2``: ``block`` = j + 2, the backbone head count, the backbone layout (1 class token
-  + the final grid, 14x14 at 224 px). ``norm`` (final) and the pyramid's LayerNorm2d: ``block`` None,
-  backbone head count and layout.
-
-Each soft split owns the :class:`TokenLayout` of the tokens it produces and updates it in a forward pre-hook
-from its input size, so the grids follow the input size. No slot sees tokens off its layout's grid, so
-``norm_keep`` is empty.
-
-``pyramid_scales`` (e.g. ``(4, 2, 1, 0.5)``) adds ViTDet's simple feature pyramid: ``features(x)`` returns
-NCHW maps at strides ``total_stride / scale`` from the last block's grid tokens (as ``ViT.features``).
+Norm slots (``norm_context``): ``tokens_to_token.layers.{i}.norm1/norm2`` have ``block`` i, one head and the
+layout of layer i's grid; ``blocks.{j}.norm1/norm2`` have ``block`` j + 2, the backbone's heads and layout
+(class token + grid); the final norm has ``block`` None. Each soft split owns and updates its layout, so
+``norm_keep`` is empty. ``pyramid_scales`` adds ViTDet's simple feature pyramid to ``features(x)``.
 """
 
 from __future__ import annotations
@@ -77,7 +36,7 @@ MICRO_SOFT_SPLIT = ((3, 1, 1), (3, 2, 1), (3, 1, 1))
 
 def sinusoid_table(num_tokens: int, dim: int, device: torch.device | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(1, num_tokens, dim) sin/cos table, base 10000: sin on even channels, cos on odd (Vaswani et al.)."""
+    """(1, num_tokens, dim) sin/cos table, base 10000 (Vaswani et al.)."""
     pos = torch.arange(num_tokens, device=device, dtype=torch.float64)[:, None]
     chan = torch.arange(dim, device=device)
     angle = pos / torch.pow(10000.0, (2 * (chan // 2)).double() / dim)
@@ -86,11 +45,7 @@ def sinusoid_table(num_tokens: int, dim: int, device: torch.device | None = None
 
 
 class SoftSplit(nn.Unfold):
-    """Overlapping soft split: (B, C, H, W) map -> (B, h*w, C*k*k) tokens (paper Sec. 3.1).
-
-    Owns the :class:`TokenLayout` of the tokens it produces and sets its grid before every forward
-    (a pre-hook bound to this module, so ``copy.deepcopy`` -- EMA -- rebinds it to the copy's layout).
-    """
+    """Overlapping soft split (paper Sec. 3.1): (B, C, H, W) -> (B, h*w, C*k*k); sets its layout's grid."""
 
     def __init__(self, kernel_size: int, stride: int, padding: int, layout: TokenLayout) -> None:
         super().__init__(kernel_size, stride=stride, padding=padding)
@@ -109,9 +64,7 @@ class SoftSplit(nn.Unfold):
 
 
 class PerformerT2TLayer(nn.Module):
-    """Performer T2T layer (paper Sec. 3.1, Performer attention): single-head linear attention with m =
-    kernel_ratio * dim frozen orthogonal random features, residual from v (the widths differ), then LN +
-    MLP."""
+    """Performer T2T layer (paper Sec. 3.1): single-head linear attention, residual from v, then LN + MLP."""
 
     def __init__(self, in_dim: int, dim: int = 64, mlp_ratio: float = 1.0, kernel_ratio: float = 0.5,
                  drop: float = 0.1) -> None:
@@ -128,7 +81,7 @@ class PerformerT2TLayer(nn.Module):
         self.w = nn.Parameter(nn.init.orthogonal_(torch.empty(m, dim)) * math.sqrt(m), requires_grad=False)
 
     def feature_map(self, x: torch.Tensor) -> torch.Tensor:
-        """phi(x) = exp(w x - |x|^2 / 2) / sqrt(m); the exponent is at most |w_i|^2 / 2 = m / 2."""
+        """phi(x) = exp(w x - |x|^2 / 2) / sqrt(m)."""
         m = self.w.shape[0]
         return torch.exp(x @ self.w.t() - 0.5 * x.square().sum(-1, keepdim=True)) / math.sqrt(m)
 
@@ -147,8 +100,7 @@ class PerformerT2TLayer(nn.Module):
 
 
 class TransformerT2TLayer(nn.Module):
-    """Transformer T2T layer (the T2T-ViT_t models): single-head softmax attention (qkv without bias) scaled
-    by the *input* width ``in_dim ** -0.5`` as published, residual from v, then LN + MLP; no dropout."""
+    """Transformer T2T layer (T2T-ViT_t): softmax attention scaled by ``in_dim ** -0.5`` as published."""
 
     def __init__(self, in_dim: int, dim: int = 64, mlp_ratio: float = 1.0) -> None:
         super().__init__()
@@ -172,7 +124,6 @@ class TransformerT2TLayer(nn.Module):
 
 
 class TokensToToken(nn.Module):
-    """Soft split -> T2T layer -> re-structurise, twice, then a last soft split and ``project`` to D."""
 
     def __init__(self, in_chans: int, embed_dim: int, layouts: Sequence[TokenLayout],
                  soft_split: Sequence[Sequence[int]] = PUBLISHED_SOFT_SPLIT, token_dim: int = 64,
@@ -273,7 +224,6 @@ class T2TViT(PlainBackbone):
         return {"cls_token", "pos_embed"}
 
     def norm_context(self, name: str) -> NormContext:
-        """Context for the norm slot ``name``: its block index, head count and token layout."""
         parts = name.split(".")
         num_t2t = len(self.tokens_to_token.layers)
         if name.startswith("tokens_to_token.layers."):

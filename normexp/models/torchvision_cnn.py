@@ -1,51 +1,14 @@
 """The BatchNorm networks of DyT's Table 16 (arXiv 2503.10622, App. "Replacing BN with DyT"): torchvision's
-ResNet-50 (He et al., CVPR 2016, arXiv 1512.03385) and VGG19 with BatchNorm (Simonyan & Zisserman, ICLR 2015,
-arXiv 1409.1556; torchvision's ``vgg19_bn``), on torchvision's ``ResNet`` / ``VGG`` classes.
+ResNet-50 (He et al., CVPR 2016, arXiv 1512.03385) and VGG19-BN (Simonyan & Zisserman, ICLR 2015, arXiv
+1409.1556), on torchvision's ``ResNet`` / ``VGG`` classes.
 
-**As torchvision builds them.** ``resnet50`` is ``torchvision.models.resnet50()`` and ``vgg19_bn``
-``torchvision.models.vgg19_bn()``: the same modules, created in the same order and initialised by the same
-rule (convs kaiming-normal fan-out, BatchNorm weight 1 bias 0, VGG's linears normal(0, 0.01) bias 0; no
-zero-init of the last BN of a residual branch: torchvision's ``zero_init_residual=False``, which its reference
-recipe keeps), so a seed gives torchvision's weights (tested) and the parameter counts are torchvision's
-(25,557,032 and 143,678,248 at 1000 classes). The constructors here only take as arguments what torchvision
-fixes -- stage widths and the stem (ResNet), the conv widths, the pooled grid and the classifier width (VGG),
-the input channels -- so that the ``_micro`` members are the same code at CPU size. ``forward`` is
-torchvision's. When a normalizer replaces the BatchNorms after construction (``norm=dyt``), it starts from
-its own initialisation (DyT: alpha0 0.5, weight 1, bias 0).
-
-**Norm slots.** Every ``BatchNorm2d`` (ResNet-50: 53 -- the stem's ``bn1``, ``bn1``-``bn3`` of each of the 16
-bottlenecks and the 4 ``downsample.1``; VGG19-BN: 16, ``convs.{k}`` after each conv) normalises a
-(B, C, H, W) map, so the placement hands every normalizer ``data_format="channels_first"``: ``norm=dyt`` is
-DyT per channel over dim 1 (weight and bias of shape C), as DyT's Table 16 replaces BN; ``norm=bn`` is the
-same BatchNorm (the suite's ``bn``: statistics over batch and positions, momentum 0.1, eps 1e-5). The maps
-carry their grid in their shape (``layout`` None); no slot sees a pooled vector.
-
-Context per slot: ``block`` is the bottleneck's index in forward order (ResNet; the stem's slot: None) or the
-VGG stage (the conv group between two max pools, Keras's ``block1``..``block5``); ``num_heads``, which only
-GroupNorm (its groups), DTN and PowerNorm read, is 32 (the group count of GroupNorm's ResNet-50, Wu & He 2018,
-arXiv 1803.08494) or the largest divisor of the slot's channels below it.
-
-**Residual branches** (``residual_scales``, where ``norm=skipinit`` puts its gate): a bottleneck's branch
-(conv1-bn1-relu-conv2-bn2-relu-conv3-bn3) is not a module of its own; its last op before the addition is
-``bn3``, so ``layer*.*.bn3`` names it (under skipinit that slot is the identity and the gate scales conv3's
-output: exactly the branch). VGG has no residual branch: ``norm=skipinit`` refuses it (one line).
-
-``features(x)``: ResNet's four stage maps (``layer1``..``layer4``, strides 4, 8, 16, 32); VGG's maps after its
-last four max pools (pool2..pool5, strides 4..32). VGG's conv stack, torchvision's ``features``, is named
-``convs`` here: ``features`` is the contract's method, and a submodule of that name would be out of reach of
-attribute access and ``get_submodule`` (the method shadows it), which the placement walks by. So the slots are
-``convs.{k}`` and the state-dict keys ``convs.{k}.*`` for torchvision's ``features.{k}.*`` (all other keys are
-torchvision's); ``forward`` is torchvision's with that name.
-
-**Micro members** (16 px digits, minutes on a CPU):
-
-* ``resnet50_micro``: ResNet-50's bottleneck stages at widths 16/32/64/128 (outputs 64/128/256/512, expansion
-  4), one bottleneck per stage, and a stem for 16 px: one 3x3 stride-1 conv (16 wide) and no max pool, so the
-  stages run on 16, 8, 4, 2 grids (the 7x7 stride-2 conv and the max pool would leave 1x1 maps in stage 3
-  already). 13 BatchNorm slots.
-* ``vgg19_bn_micro``: VGG's conv-BN-ReLU stacks and 2x2 max pools at widths 16 / 32 / 64-64 / 128-128 (four
-  stages on 16, 8, 4, 2 grids), the maps average-pooled to 1x1 (VGG pools to 7x7) and a classifier of VGG's
-  form (two hidden linears with ReLU and dropout 0.5) 128 wide instead of 4096. 6 BatchNorm slots.
+A seed gives torchvision's weights and parameter counts (tested); the constructors expose what torchvision
+fixes (widths, stem, pooled grid, classifier width), so the ``_micro`` members are the same code at CPU size.
+Every ``BatchNorm2d`` is a ``channels_first`` norm slot (``norm=dyt`` is DyT per channel, as Table 16);
+``block`` is the bottleneck index (ResNet) or the VGG stage, ``num_heads`` 32 (GroupNorm's groups, Wu & He
+2018, arXiv 1803.08494) or its largest divisor of the channels. ``residual_scales`` is ``layer*.*.bn3``; VGG
+has no residual branch, so ``norm=skipinit`` refuses it. VGG's conv stack, torchvision's ``features``, is
+named ``convs`` here (``features`` is the contract's method), so its state-dict keys are ``convs.{k}.*``.
 """
 
 from __future__ import annotations
@@ -72,9 +35,7 @@ def conv_heads(channels: int) -> int:
 
 
 def torchvision_init(model: nn.Module) -> None:
-    """torchvision's initialisation after construction (``ResNet.__init__`` / ``VGG.__init__``): convs
-    kaiming-normal (fan-out, ReLU) with zero bias, BatchNorm weight 1 and bias 0, linears normal(0, 0.01)
-    with zero bias (VGG; ResNet's fc keeps torch's default init, as in torchvision)."""
+    """torchvision's initialisation after construction (``ResNet.__init__`` / ``VGG.__init__``)."""
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -89,8 +50,7 @@ def torchvision_init(model: nn.Module) -> None:
 
 
 class _ConvSlots(Backbone):
-    """What both families share: each BatchNorm slot's channels and block, recorded at construction (so the
-    context is the same once a normalizer sits in the slot: the analysis asks after the placement)."""
+    """Each BatchNorm slot's channels and block, recorded at construction (they outlive the placement)."""
 
     _slot_channels: dict[str, int]
     _slot_blocks: dict[str, int | None]
@@ -104,7 +64,6 @@ class _ConvSlots(Backbone):
         raise NotImplementedError
 
     def norm_context(self, name: str) -> NormContext:
-        """Block index and head count of the norm slot ``name`` (maps: the grid is in the shape)."""
         slot = name
         while slot not in self._slot_channels and "." in slot:  # a normalizer's own child (bn's ``.bn``)
             slot = slot.rpartition(".")[0]
@@ -115,8 +74,7 @@ class _ConvSlots(Backbone):
 
 
 class ResNet(TorchvisionResNet, _ConvSlots):
-    """torchvision's ResNet with the backbone contract; ``widths`` (torchvision: 64/128/256/512) and the stem
-    (torchvision: a 64-wide 7x7 stride-2 conv, then a 3x3 stride-2 max pool) are arguments."""
+    """torchvision's ResNet with the backbone contract; ``widths`` and the stem are arguments."""
 
     def __init__(self, layers: Sequence[int] = (3, 4, 6, 3), block: str = "bottleneck",
                  widths: Sequence[int] = (64, 128, 256, 512), stem_width: int = 64, stem_kernel: int = 7,
@@ -167,7 +125,6 @@ class ResNet(TorchvisionResNet, _ConvSlots):
         return self.fc
 
     def features(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The 4 stage maps (``layer1``..``layer4``), NCHW, at ``feature_strides``."""
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         maps = []
         for stage in (self.layer1, self.layer2, self.layer3, self.layer4):
@@ -177,8 +134,7 @@ class ResNet(TorchvisionResNet, _ConvSlots):
 
 
 def vgg_layers(cfg: Sequence[int | str], in_chans: int = 3) -> nn.Sequential:
-    """torchvision's ``make_layers(cfg, batch_norm=True)`` with the input channels as an argument: conv 3x3
-    (pad 1) - BatchNorm2d - ReLU per number, a 2x2 max pool per ``"M"``."""
+    """torchvision's ``make_layers(cfg, batch_norm=True)`` with the input channels as an argument."""
     layers: list[nn.Module] = []
     channels = in_chans
     for v in cfg:
@@ -197,8 +153,7 @@ VGG19 = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512
 
 
 class VGG(TorchvisionVGG, _ConvSlots):
-    """torchvision's VGG (with BatchNorm) with the backbone contract; the pooled grid (torchvision: 7x7) and
-    the classifier width (4096) are arguments."""
+    """torchvision's VGG-BN with the backbone contract; the pooled grid and classifier width are arguments."""
 
     residual_scales = ()  # a plain stack: no residual branch
 

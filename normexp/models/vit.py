@@ -1,38 +1,17 @@
 """ViT / DeiT (Dosovitskiy et al. 2021, arXiv 2010.11929; Touvron et al. 2021, arXiv 2012.12877) on timm's
 ``VisionTransformer``.
 
-Sizes:
+Sizes: DeiT's tiny / small / base, ``vit_large`` (ViT-L/16, DyT's Table 1 row, with ``global_pool='avg'``),
+``vit_micro`` for the CPU demo (96 wide, 6 blocks, 16 px, 2 px patches), and the DTN code's ViTs
+(wqshao126/DTN ``models/vit_norm_mix.py``; arXiv 2112.02624): ``vit_*_dtn`` are its ``vit_norm_s`` /
+``vit_norm_b`` and ``vit_*_star`` its perfect-square head-count variants. ``dtn_blocks=k`` builds that code's
+layout: the class token joins before block k, and only the first k blocks' slots take the configured
+normalizer.
 
-* DeiT's ``vit_tiny`` / ``vit_small`` / ``vit_base`` (qkv bias, class token from the start, 12 blocks) and
-  ``vit_large`` (ViT-L/16: 1024 wide, 24 blocks, 16 heads; DyT's Table 1 row, trained by its recipe with
-  ``global_pool='avg'``, i.e. timm's ``fc_norm`` after pooling). ``vit_micro`` is DeiT's architecture scaled
-  down for the CPU demo: 96 wide, 6 blocks, 4 heads, 16 px input with 2 px patches (64 tokens).
-* The DTN code's ViTs (wqshao126/DTN ``models/vit_norm_mix.py``), for the DTN paper's tables (arXiv
-  2112.02624): ``vit_small_dtn`` / ``vit_base_dtn`` are its ``vit_norm_s`` / ``vit_norm_b`` (the tables'
-  ViT-S and ViT-B: 6 / 12 heads) and ``vit_*_star`` its ``vit_norm_*_star`` head-count variants (4 / 9 / 16
-  heads, perfect squares, so that every DTN head starts local). All of them are built as that file builds
-  them: no qkv bias, ``nn.LayerNorm`` with its default eps 1e-5, a position embedding for the patch tokens
-  only, the class token initialised trunc-normal(0.02) and joining before block 10 (``dtn_blocks=10``).
-
-``dtn_blocks=k`` gives that layout (ConViT style): the first k blocks see the patch tokens only, the class
-token joins before block k, and only the norm slots of those first k blocks take the configured
-normalizer -- blocks k.. and the final norm keep LayerNorm (``norm_keep``).
-
-Where the norms sit (every size, the DTN code's ViTs included; ``normexp.models.blocks`` has the formulas and
-the papers): ``norm_position`` is ``pre`` (timm's block, the default), ``post``, ``peri``, ``res_post`` or
-``hybrid``; ``qk_norm=True`` adds ViT-22B's per-head query / key norms (timm's), ``layer_scale=<init>``
-CaiT's LayerScale on every branch (timm's ``init_values``), ``normformer=True`` NormFormer's two extra norms
-(Shleifer et al. 2021, arXiv 2110.09456: after the attention heads, ``attn.norm``, and after the MLP's
-activation, ``mlp.norm``; timm's ``scale_attn_norm`` / ``scale_mlp_norm``; its head-wise scaling is not
-built). Every norm these add is a slot like any other. The final norm (``norm``, or ``fc_norm`` after
-pooling) stays under every position, ``post`` included, where it is a second norm in a row: the classifier
-reads that slot, which every normalizer fills, and at initialisation LN or RMSNorm of a token the last block
-has just normalised returns it (up to eps), so there it adds an affine. Post-LN Transformers (arXiv
-1706.03762) have no final norm: ``+backbone.final_norm=false`` (timm's switch) builds that.
-
-``pyramid_scales`` (e.g. ``(4, 2, 1, 0.5)``) adds ViTDet's simple feature pyramid for dense tasks:
-``features(x)`` then returns NCHW maps at strides ``patch_size / scale``. ``dynamic_img_size=True`` accepts
-any input size (the position embedding is resampled), with or without ``dtn_blocks``.
+``norm_position``, ``qk_norm``, ``layer_scale`` and ``normformer`` (NormFormer, arXiv 2110.09456) place the
+norms (``normexp.models.blocks``; docs/normalizers.md). The final norm stays under every position;
+``+backbone.final_norm=false`` removes it. ``pyramid_scales`` adds ViTDet's simple feature pyramid;
+``dynamic_img_size=True`` accepts any input size.
 """
 
 from __future__ import annotations
@@ -101,12 +80,7 @@ class ViT(VisionTransformer, PlainBackbone):
         self.token_layout.set_grid(*grid)
 
     def norm_context(self, name: str) -> NormContext:
-        """Context for the norm slot ``name``: its block index, head count and token layout.
-
-        ``fc_norm`` (``global_pool='avg'``) normalises the pooled token: ``pooled``. The per-head slots of an
-        attention (``blocks.<i>.attn.q_norm`` / ``k_norm`` / ``v_norm``) see one head's tokens at a time, the
-        heads folded into the batch: one head, the block's layout folded (:class:`FoldedHeads`).
-        """
+        """Context for the norm slot ``name`` (``fc_norm``: ``pooled``)."""
         block = int(name.split(".")[1]) if name.startswith("blocks.") else None
         late_cls = self.dtn_blocks is not None and (block is None or block < self.dtn_blocks)
         layout = self.grid_layout if late_cls else self.token_layout
@@ -138,7 +112,7 @@ def _vit(arch: dict[str, Any], **kwargs: Any) -> ViT:
 
 
 def _dtn_code_vit(arch: dict[str, Any], **kwargs: Any) -> ViT:
-    """A ViT as the DTN code's ``vit_norm_mix.py`` builds it (see the module docstring)."""
+    """A ViT as the DTN code's ``vit_norm_mix.py`` builds it."""
     model = ViT(**{"qkv_bias": False, "norm_layer": partial(nn.LayerNorm, eps=1e-5), "dtn_blocks": 10,
                    **arch, **kwargs})
     trunc_normal_(model.cls_token, std=0.02)  # timm starts it at std 1e-6
@@ -202,7 +176,6 @@ def vit_base_star(**kwargs: Any) -> ViT:
 
 @register_model
 def vit_micro_star(**kwargs: Any) -> ViT:
-    """``vit_micro`` built as the DTN code builds its ViTs (its config's ``dtn_blocks`` is 5 of 6): the CPU
-    member standing in for the ``*_star`` and DTN-code ViTs at smoke scale."""
+    """``vit_micro`` built as the DTN code builds its ViTs: the smoke-scale stand-in for them."""
     return _dtn_code_vit(dict(img_size=16, patch_size=2, embed_dim=96, depth=6, num_heads=4, dtn_blocks=5),
                          **kwargs)

@@ -1,15 +1,6 @@
-"""BatchNorm over the batch and all tokens / positions, per channel (DTN's ``batch``).
-
-Statistics are taken over every (sample, token) pair of a channel, with running statistics (momentum 0.1,
-as torch) used in eval mode. The math is ``nn.BatchNorm1d`` applied to the input flattened to (M, C)
-(channels-last) or (B, C, L) (channels-first).
-
-Why a wrapper around an ``nn.BatchNorm1d`` child rather than a ``_BatchNorm`` subclass:
-``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` swaps every ``_BatchNorm`` for a plain ``SyncBatchNorm``
-and would drop a subclass's reshaping forward; with a child it converts the child and the reshaping here
-keeps working. Consequences: the state_dict keys are ``bn.weight``, ``bn.running_mean``, ...; and
-``placement.norm_slots`` lists the inner ``<name>.bn`` as a slot of a model that already uses this layer.
-"""
+"""BatchNorm over the batch and all tokens / positions, per channel (DTN's ``batch``): an ``nn.BatchNorm1d``
+child on the flattened input, so that ``SyncBatchNorm.convert_sync_batchnorm`` converts it (state_dict keys
+``bn.*``)."""
 
 from __future__ import annotations
 

@@ -1,33 +1,16 @@
 """Dynamic Token Normalization (Shao et al., ICLR 2022, arXiv 2112.02624), as the official module computes it
-(github.com/wqshao126/DTN, ``models/normkit/norms/dtn.py``). Tokens x (T x C), H heads, head h owning the
-channels [h*d, (h+1)*d), d = C/H:
+(github.com/wqshao126/DTN, ``models/normkit/norms/dtn.py``). Per head h, on RMS-pre-scaled tokens, the LN
+statistics (over each token's channels) and inter-token ones (``mu_in = z @ P^h``, ``var_in = (z*z) @ P^h -
+mu_in^2``, P^h a softmax over relative grid offsets) are mixed by ``sigmoid(theta)``, then standardised and
+scaled; ``only_var`` mixes the variance only (the official ``dtn_var``). Steps: :meth:`DTN.normalize`; the
+fused kernels: ``normexp.norms.kernels.dtn``.
 
-0. per token and head, RMS pre-scaling: ``x_h <- x_h / sqrt(mean_j x_hj^2 + eps)``;
-1. intra-token (LN) statistics over all C channels of each token: mean and unbiased variance;
-2. inter-token statistics per head: ``mu_in = z @ P^h``, ``var_in = max((z*z) @ P^h - mu_in^2, 0)``, with
-   ``P^h[p, q] = softmax_p(pos_proj([dx, dy, dx^2 + dy^2])_h)`` over source tokens p of each target q
-   (``dx = col(q) - col(p)``, ``dy = row(q) - row(p)``; :meth:`DTN.position_matrix`);
-3. per head, ``lam = sigmoid(theta)`` (theta init 0), one for the mean and one for the variance:
-   ``mu = lam_mu * mu_ln + (1 - lam_mu) * mu_in``, the same for the variance (``only_var``, the official
-   ``dtn_var``: the mean is the LN mean);
-4. ``y = gamma * (x - mu) / sqrt(var + eps) + beta``.
-
-6H parameters beyond LN's (5H with ``only_var``); no running statistics. Beyond the official module (which
-takes one 14x14 grid without class token): grids above ``pool_size`` take their inter-token statistics on an
-average-pooled grid, nearest-upsampled back (the official ``dtn_pool``); prefix (class, distillation)
-tokens get LN statistics only; the grid comes from the input's shape (maps) or from ``layout`` (tokens),
-never guessed from T. The logits are a row term plus a column term, so P^h is the Kronecker product of two
-small softmaxes (:meth:`DTN.position_factors`): ``separable=True`` applies them, ``False`` the dense matrix,
-as the official code does -- the same numbers. When only some grid tokens are present (``layout.positions``:
-a masked autoencoder's visible tokens), P^h is taken over those tokens, from their grid offsets, per sample
-(dense, unpooled). The steps: :meth:`DTN.normalize`; their whole-tensor kernels and the fused path:
-``normexp.norms.kernels.dtn``.
-
-``pos_init="random"`` (default) starts ``pos_proj`` as the released models train it: the module applies a
-ConViT-style local init, but ``models/vit_norm_mix.py`` and ``models/pvt_norm.py`` then re-initialise every
-``nn.Linear`` (trunc-normal 0.02, zero bias), so each head starts from a nearly uniform P; ``"local"`` keeps
-the module's local init (each of the first k*k heads peaks at one neighbour offset, scaled by
-``locality_strength``).
+Beyond the official module: grids above ``pool_size`` take inter-token statistics on a pooled grid (the
+official ``dtn_pool``); prefix tokens get LN statistics only; the grid comes from the shape or ``layout``;
+``separable=True`` applies P^h as its two Kronecker factors (the same numbers); with ``layout.positions``
+(MAE's visible tokens) P^h is over the present tokens. ``pos_init="random"`` starts ``pos_proj`` as the
+released models train it (their ``vit_norm_mix.py`` re-initialises every Linear); ``"local"`` keeps the
+module's ConViT-style local init.
 """
 
 from __future__ import annotations
@@ -50,13 +33,8 @@ POS_INITS = ("random", "local")  # the official models' effective init, or the m
 
 @register_norm("dtn")
 class DTN(nn.Module):
-    """Dynamic Token Normalization for (B, N, C) tokens, (B, H, W, C) and (B, C, H, W) maps, and (B, C)
-    pooled vectors (one token: a 1x1 map, as ConvNeXt's pooled head norm is).
-
-    The token grid comes from the input shape for maps and from ``layout.grid`` for (B, N, C) tokens
-    (the stage's patch embedding sets it on every forward). ``N`` must be ``H*W`` or
-    ``num_prefix_tokens + H*W`` (prefix count from ``num_prefix_tokens`` if given, else ``layout``).
-    """
+    """DTN for (B, N, C) tokens (grid from ``layout``), (B, H, W, C) and (B, C, H, W) maps, and (B, C) pooled
+    vectors (a 1x1 map). ``N`` must be ``H*W`` or ``num_prefix_tokens + H*W``."""
 
     hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {
         "pool_size": {"min": 1}, "locality_strength": {"min": 0}, "kernels": {"choices": list(KERNEL_MODES)}}
@@ -113,14 +91,8 @@ class DTN(nn.Module):
     # ------------------------------------------------------------------ parameters
     @torch.no_grad()
     def local_init(self, locality_strength: float = 1.0) -> None:
-        """ConViT-style local init (official code): head p = h1 + k*h2 of the first k*k heads (k = isqrt(H))
-        gets logits ``-|delta - Delta_p|^2 + const`` with ``Delta_p = (h2 - c, h1 - c)`` (x, y), c the
-        centre of the k x k window; the remaining heads keep their std-0.02 weights (nearly uniform P).
-        The whole weight is then scaled by ``locality_strength``, as in the official code.
-
-        With ``delta = target - source`` the head's P column for a target token peaks at the source
-        ``target - Delta_p``.
-        """
+        """ConViT-style local init (official code): each of the first k*k heads peaks at one neighbour offset,
+        the whole weight scaled by ``locality_strength``."""
         w = self.pos_proj.weight
         k = math.isqrt(self.num_heads)
         center = (k - 1) / 2
@@ -185,8 +157,7 @@ class DTN(nn.Module):
     # ------------------------------------------------------------------ steps (0)-(4)
     def normalize(self, x: torch.Tensor, grid: tuple[int, int], prefix: int,
                   map_size: tuple[int, int] | None = None) -> torch.Tensor:
-        """x: (B, N, C) with ``prefix`` leading non-grid tokens and H*W grid tokens in raster order. Steps
-        (0)-(1) and (3)-(4) take the path ``kernels`` resolves to (``normexp.norms.kernels.dtn``)."""
+        """x: (B, N, C) with ``prefix`` leading non-grid tokens and H*W grid tokens in raster order."""
         b, n, c = x.shape
         if c != self.dim:
             raise ValueError(f"DTN built for {self.dim} channels got {c}")
@@ -231,9 +202,8 @@ class DTN(nn.Module):
                    map_size, mode)
 
     def normalize_subset(self, x: torch.Tensor, positions: torch.Tensor, prefix: int) -> torch.Tensor:
-        """x: (B, N, C) with ``prefix`` leading non-grid tokens, then the grid tokens at ``positions`` (B, M)
-        of ``layout.grid``: steps (0)-(4) with P^h over the tokens present, from their offsets (plain ops;
-        autograd derives the backward)."""
+        """x: (B, N, C) with ``prefix`` tokens, then the grid tokens at ``positions`` (B, M) of
+        ``layout.grid``; P^h over the tokens present (plain ops)."""
         b, n, c = x.shape
         nh, d = self.num_heads, self.head_dim
         xs, mu_ln, var_ln = prescale_stats(x, nh, self.eps, prefix, None, "autograd")
@@ -255,11 +225,8 @@ class DTN(nn.Module):
         return torch.cat((prefix_out, grid_out), dim=1) * self.weight.to(x.dtype) + self.bias.to(x.dtype)
 
     def apply_position(self, s: torch.Tensor, target_grid: tuple[int, int] | None = None) -> torch.Tensor:
-        """out[h, q] = sum_p P^h[p, up(q)] s[h, p] for s of shape (H, h', w', M, d), tokens p = (row, col).
-
-        ``target_grid`` (separable only): targets q on that finer grid, each reading the pooled target
-        ``up(q)`` that nearest upsampling would copy to it; default: the targets are the grid of s.
-        """
+        """out[h, q] = sum_p P^h[p, up(q)] s[h, p] for s of shape (H, h', w', M, d); ``target_grid``
+        (separable only): targets on that finer grid, nearest-upsampled."""
         nh, h, w, m, d = s.shape
         if self.separable:
             py, px = self.position_factors((h, w), s.dtype)

@@ -1,27 +1,10 @@
 """Fixup (Zhang et al. 2019, arXiv 1901.09321, Sec. 3) adapted to Transformers, the initialization-based
-baseline of DyT Table 9 (arXiv 2503.10622 Sec. 6.3): no normalization, the branch weights rescaled, scalar
-multipliers and biases. DyT released no code for it; this is what ``norm=fixup`` does to the built model
-(:meth:`Fixup.adapt_model`), with L the number of residual branches (each block's attention and MLP: the
-modules a model names in ``residual_scales``) and m the number of weight layers on a branch's value path:
-
-1. the last weight layer of every branch (the attention's output projection, the MLP's second layer) and
-   the classifier (``get_classifier()``) start at zero, so the network starts as the identity on its
-   residual stream;
-2. every other weight layer on the value path is scaled by ``L ** (-1 / (2m - 2))`` -- for a ViT (m = 2:
-   value then output projection; first then second MLP layer) ``L ** -0.5``. The query and key
-   projections (the first two thirds of a fused ``qkv``, the first half of a fused ``kv``, a ``q``) keep
-   their initialisation, as T-Fixup (Huang et al. 2020, ICML) does: they set where attention looks, not the
-   branch's scale;
-3. a learnable scalar bias (0) before every weight layer and activation of a branch, and a learnable scalar
-   multiplier (1) and bias (0) on its output, as forward hooks, so the model's parameter names stay its own
-   (plus ``fixup_bias`` / ``fixup_scale`` on those modules).
-
-A branch a model names by its last module (ResNet's ``bn3``, Fixup's own case: m = 3, ``L ** -0.25``) is the
-weight layers its parent registers before it (a Bottleneck's ``conv1``-``conv3``; ``downsample`` comes after;
-its one shared ``relu`` comes after too: no bias before the activations there). Where the families differ:
-PVT's spatial reduction ``sr`` is scaled as the first value-path layer; LeViT's fused ``qkv.linear``
-interleaves q, k and v per head, so it is scaled whole, queries and keys included; ConvNeXt's branch is its
-MLP (the depthwise conv and norm before it keep their initialisation).
+baseline of DyT Table 9 (arXiv 2503.10622 Sec. 6.3). DyT released no code for it; ``norm=fixup`` applies to
+the built model (:meth:`Fixup.adapt_model`), over the L residual branches a model names in
+``residual_scales``: each branch's last weight layer and the classifier start at zero, its other value-path
+weight layers are scaled by ``L ** (-1 / (2m - 2))`` (queries and keys kept, as T-Fixup, Huang et al. 2020),
+and scalar biases and a multiplier are added by forward hooks (``fixup_bias`` / ``fixup_scale``). LeViT's
+fused ``qkv.linear`` interleaves q, k, v per head, so it is scaled whole.
 """
 
 from __future__ import annotations
@@ -53,8 +36,8 @@ def _scalar(value: float) -> nn.Parameter:
 
 
 def value_rows(name: str, layer: nn.Module) -> slice:
-    """The output rows of ``layer`` on the branch's value path: a fused ``qkv``'s last third, a fused
-    ``kv``'s second half ([q; k; v] and [k; v] as timm's attention splits them), else all."""
+    """The output rows of ``layer`` on the value path: a fused ``qkv``'s last third, a ``kv``'s second
+    half."""
     leaf, rows = name.rsplit(".", 1)[-1], layer.weight.shape[0]
     if leaf == "qkv" and rows % 3 == 0:
         return slice(2 * rows // 3, rows)
@@ -64,8 +47,7 @@ def value_rows(name: str, layer: nn.Module) -> slice:
 
 
 def branch_layers(model: nn.Module, name: str, branch: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, layer) of the weight layers of the branch whose output is ``branch``'s: its own, or for a module
-    without any (the branch's last op) those of the modules its parent registers before it."""
+    """(name, layer) of the branch's weight layers: its own, or those its parent registers before it."""
     own = [(n, m) for n, m in branch.named_modules() if isinstance(m, WEIGHT_LAYERS)]
     if own or "." not in name:
         return own
@@ -81,7 +63,7 @@ def branch_layers(model: nn.Module, name: str, branch: nn.Module) -> list[tuple[
 
 @register_norm("fixup")
 class Fixup(NoNorm):
-    """The identity in a norm slot; :meth:`adapt_model` applies Fixup's rules (module docstring)."""
+    """The identity in a norm slot; :meth:`adapt_model` applies Fixup's rules."""
 
     @staticmethod
     def adapt_model(model: nn.Module) -> None:

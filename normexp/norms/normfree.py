@@ -1,14 +1,7 @@
 """Normalization-free baselines (DyT Table 9, arXiv 2503.10622 Sec. 6.3): the identity in every norm slot,
-then the method's rule applied to the built model (``adapt_model``, called by
-:func:`normexp.models.build.build_model` after the placement).
-
-- ``norm=none``: the identity, nothing else.
-- ``norm=skipinit`` (De & Smith 2020, arXiv 2002.10444, Sec. 4; as ReZero, arXiv 2003.04887, puts it in
-  Transformers): one learnable scalar gate, at ``gate0`` (0), on every residual branch, so the network starts
-  as the identity on its residual stream. DyT released no code for it; ours scales the output of each block's
-  attention and MLP (the modules a model names in ``residual_scales``; a branch's later per-channel factors --
-  LayerScale, drop path, DiT's adaLN gate -- commute with the scalar), as a forward hook, so the model's
-  parameter names stay its own (plus ``<branch>.skip_gate``).
+then the method's rule on the built model (``adapt_model``). ``norm=none``: nothing else;
+``norm=skipinit`` (De & Smith 2020, arXiv 2002.10444, Sec. 4; ReZero, arXiv 2003.04887): a learnable scalar
+gate at ``gate0`` on every residual branch (``<branch>.skip_gate``, a forward hook). DyT released no code.
 """
 
 from __future__ import annotations
@@ -39,8 +32,8 @@ class NoNorm(nn.Module):
 
 
 def residual_branches(model: nn.Module) -> list[str]:
-    """The modules of ``model`` whose output is a residual branch's: every submodule's ``residual_scales``
-    patterns, relative to it (a task's model around a backbone: both declare theirs)."""
+    """The modules of ``model`` whose output is a residual branch's (every submodule's
+    ``residual_scales``)."""
     modules = dict(model.named_modules())
     names: set[str] = set()
     for prefix, module in modules.items():
@@ -51,9 +44,8 @@ def residual_branches(model: nn.Module) -> list[str]:
 
 
 def branch_modules(model: nn.Module, method: str) -> list[nn.Module]:
-    """The residual branches of ``model`` (:func:`residual_branches`) for a normalization-free ``method``,
-    which cannot apply to a model that names none, nor to one whose branches already start closed by gates of
-    their own (DiT's adaLN-Zero: two zero factors in a row, and no branch would ever learn)."""
+    """The residual branches for ``method``; refused for a model that names none or whose branches start
+    closed (DiT's adaLN-Zero)."""
     names = residual_branches(model)
     if not names:
         raise ValueError(f"{method} works on residual branches, and {type(model).__name__} names none "
@@ -67,8 +59,7 @@ def branch_modules(model: nn.Module, method: str) -> list[nn.Module]:
 
 
 def classifier_layers(model: nn.Module) -> list[nn.Module]:
-    """Every weight layer of the model's classifier(s): ``get_classifier()`` as timm's models name it (LeViT
-    returns two, its distillation head too), else ``head``; none for a model without one."""
+    """Every weight layer of the model's classifier(s) (``get_classifier()``, else ``head``)."""
     found = model.get_classifier() if hasattr(model, "get_classifier") else getattr(model, "head", None)
     heads = found if isinstance(found, (tuple, list)) else [found]
     return [m for head in heads if isinstance(head, nn.Module) for m in head.modules()

@@ -1,9 +1,5 @@
-"""The one place that decides which norm layers of a model become the chosen normalizer.
-
-Models are built as their papers define them (timm's LayerNorm, LeViT's BatchNorm); ``replace_norms``
-then walks the module tree and swaps each *norm slot* for ``norm_layer(dim, **context)``. The context
-comes from the model itself (``model.norm_context(name)`` when it defines one), never from guessing.
-"""
+"""The one place that decides which norm layers of a model become the chosen normalizer: ``replace_norms``
+swaps each *norm slot* for ``norm_layer(dim, **context)``, the context from ``model.norm_context(name)``."""
 
 from __future__ import annotations
 
@@ -38,10 +34,8 @@ def slot_affine(module: nn.Module) -> bool:
 
 
 def fix_affine(layer: nn.Module, dim: int) -> nn.Module:
-    """``layer`` without a learnable affine: the per-channel ``weight`` (1-D, ``dim`` long) and ``bias`` of
-    each of its modules become fixed non-persistent buffers at their initial values (ones and zeros: the
-    identity), so every normalizer's own code -- fused kernels included -- runs unchanged, and its other
-    parameters (DyT's alpha, DTN's position projection) still learn. DyT becomes ``tanh(alpha x)``."""
+    """``layer`` with its per-channel ``weight`` / ``bias`` fixed as identity buffers (other parameters still
+    learn): DyT becomes ``tanh(alpha x)``."""
     for module in layer.modules():
         weight = module._parameters.get("weight")
         if weight is None or weight.dim() != 1 or weight.numel() != dim:
@@ -67,15 +61,10 @@ def replace_norms(
 ) -> list[str]:
     """Swap the norm slots of ``model`` for ``norm_layer``; return the names of the replaced slots.
 
-    A slot keeps the layer it was built with when its name matches a ``keep`` fnmatch pattern
-    (``"norm"``, ``"blocks.1[0-1].*"``) or one of the model's own ``norm_keep`` patterns (an
-    architecture whose late blocks must keep LN says so itself), or -- with ``first_blocks=k`` -- when it
-    is not inside one of the first k blocks (its context ``block`` index, from the model, is None or >= k).
-    ``context_fn(name)`` (default: ``model.norm_context``) gives the extra context of slot ``name``,
-    such as its block index, its block's head count or its stage's token layout. A slot whose context says
-    ``pooled`` (it normalises one pooled vector per image) also keeps its layer when the normalizer takes
-    statistics over tokens (``norm_layer.token_statistics``): over a single token they are undefined.
-    A slot built without a learnable affine gets the normalizer without one (:func:`fix_affine`).
+    A slot keeps its layer when it matches a ``keep`` or the model's ``norm_keep`` fnmatch pattern, when
+    ``first_blocks=k`` and its block is None or >= k, or when it is ``pooled`` and the normalizer takes
+    ``token_statistics``. ``context_fn`` defaults to ``model.norm_context``. A slot without a learnable affine
+    gets the normalizer without one (:func:`fix_affine`).
     """
     keep = [*keep, *getattr(model, "norm_keep", ())]
     if context_fn is None:

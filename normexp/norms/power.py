@@ -2,33 +2,13 @@
 baseline: ``PowerNorm(dim, group_num=num_heads, warmup_iters=3000)`` (wqshao126/DTN
 ``models/normkit/norm_select.py``).
 
-Where each behaviour comes from. The DTN code's module (``models/normkit/norms/us_powernorm.py``) cannot run
-as released: its training forward calls ``PowerFunction``, which that file never defines; the autograd
-Function it does define is ``PowerFunction_PN``. This layer is that file's module running that Function:
-
-* group scaling (its ``GroupScaling1D``): each token is first divided by the RMS of its channels within each
-  of ``groups`` groups -- one group per attention head (``num_heads``) unless ``groups`` is given --,
-  ``x / sqrt(mean_group(x^2) + eps)``, with plain autograd through it;
-* then per channel, no centring: ``y = gamma * x / sqrt(phi + eps) + beta``, where in training step t
-  (``num_batches_tracked``, counting training forwards from 1) ``phi`` is the batch's quadratic mean
-  ``mean(x^2)`` over batch and tokens while t <= ``warmup_iters``, and the running ``phi`` from before this
-  batch afterwards; in eval always the running ``phi``;
-* the running ``phi`` is updated on every training forward: while t < ``warmup_iters`` it is first set to
-  the cumulative average of the batch values, then -- on every step, warm-up included -- it takes the EMA
-  ``phi = 0.9 phi + 0.1 mean(x^2)`` (``alpha_fwd`` 0.9); it starts at 1;
-* backward (``PowerFunction_PN.backward``), on warm-up and later steps alike: the gradient does not flow
-  through ``mean(x^2)``. With ``g = dL/dy * gamma`` and ``z = x / sqrt(phi_used + eps)``,
-  ``g' = g - 0.1 * nu * z`` (``1 - alpha_bkw``, 0.1), then ``nu += mean(g' * z)`` per channel (no decay;
-  ``nu`` starts at 0 and is updated from the first step), and ``dL/dx = g' / sqrt(s + eps)`` where s is
-  the batch's ``mean(x^2)`` while t < ``warmup_iters`` and the running ``phi`` *after* this step's update
-  from t = ``warmup_iters`` on.
-
-The same forward and backward are in the PowerNorm authors' code (sIncerass/powernorm
-``fairseq/modules/norms/mask_powernorm.py``), except that its backward always divides by the batch value;
-the DTN file changed that to the running one after warm-up, which is what runs here. ``eps`` is 1e-5 in the
-group scaling and the division (both files' defaults).
-
-(B, N, C) tokens and (B, H, W, C) maps are rows of C channels; (B, C, H, W) maps are moved to channels-last.
+The DTN module (``models/normkit/norms/us_powernorm.py``) cannot run as released (its forward calls an
+undefined ``PowerFunction``); this is that module running the Function the file does define,
+``PowerFunction_PN``: group scaling by the RMS of each head's channels, then per channel
+``y = gamma * x / sqrt(phi + eps) + beta`` with the batch's ``mean(x^2)`` during warm-up and the running
+``phi`` (EMA 0.9) after, and the approximate backward with ``nu``. The PowerNorm authors' code
+(sIncerass/powernorm ``fairseq/modules/norms/mask_powernorm.py``) divides the backward by the batch value
+throughout; the DTN file's running value after warm-up is what runs here.
 """
 
 from __future__ import annotations
@@ -46,11 +26,8 @@ ALPHA_BKW = 0.9  # the backward subtracts (1 - alpha_bkw) * nu * z (official alp
 
 
 class _PowerFunction(torch.autograd.Function):
-    """``z = x / sqrt(phi_used + eps)`` on (M, C) rows, with the official approximate backward.
-
-    ``bwd_phi`` is what the backward divides by (batch value during warm-up, running value after); ``nu``
-    (the official ``ema_gz``) is updated in place during backward.
-    """
+    """``z = x / sqrt(phi_used + eps)`` on (M, C) rows with the official approximate backward; ``bwd_phi`` is
+    what the backward divides by, ``nu`` (the official ``ema_gz``) is updated in place during backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, fwd_phi: torch.Tensor, bwd_phi: torch.Tensor, nu: torch.Tensor,
@@ -99,7 +76,6 @@ class PowerNorm(nn.Module):
         return (xg * torch.rsqrt(xg.square().mean(-1, keepdim=True) + self.eps)).view_as(x)
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (M, C) rows = (sample, token) pairs."""
         x = self._group_scale(x)
         if not self.training:
             return x * torch.rsqrt(self.running_phi + self.eps).to(x.dtype)

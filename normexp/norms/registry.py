@@ -1,24 +1,10 @@
-"""Registry of normalizers.
+"""Registry of normalizers, each built as ``norm_layer(dim, **context)`` (timm's ``norm_layer`` convention).
 
-A normalizer is an ``nn.Module`` built as ``norm_layer(dim, **context)`` -- the timm ``norm_layer``
-convention -- so it drops into any model slot. ``context`` carries what only the model knows:
-
-- ``data_format``: ``"channels_last"`` for (B, N, C) tokens and (B, H, W, C) maps (normalise the last
-  dim), ``"channels_first"`` for (B, C, H, W) maps;
-- ``num_heads``: heads of the attention block the layer sits in;
-- ``layout``: a :class:`normexp.norms.layout.TokenLayout` describing the token grid, shared by a stage;
-- ``num_prefix_tokens``: class/distillation tokens that precede the grid tokens.
-
-A normalizer class that takes statistics over the tokens of a sample (instance statistics) says so with
-``token_statistics = True``; the placement then leaves the slots that see one pooled vector per image
-(context ``pooled``) as built.
-
-Each normalizer's constructor names the context it uses; :func:`norm_layer_factory` passes it only
-those keys, so models hand every layer the full context and never special-case a normalizer. Its other
-keyword arguments are its hyper-parameters (``norm.<name>=`` in the config): their types come from the
-constructor's annotations and their allowed values from the class's ``hparam_checks`` (e.g.
-``{"alpha0": {"above": 0}}``; ``eps`` is always > 0), which the config schema enforces before any model is
-built (:func:`hyperparameters`).
+``context`` is what only the model knows (``data_format``, ``num_heads``, ``layout``, ``num_prefix_tokens``);
+:func:`norm_layer_factory` passes a normalizer only the keys its constructor names. Other keyword arguments
+are hyper-parameters (``norm.<name>=``), typed by the constructor's annotations and checked against the
+class's ``hparam_checks`` before any model is built. ``token_statistics = True`` marks normalizers that
+take statistics over a sample's tokens (the placement leaves ``pooled`` slots to them as built).
 """
 
 from __future__ import annotations
@@ -97,11 +83,8 @@ def hyperparameters(name: str) -> list[HyperParameter] | None:
 
 
 def norm_layer_factory(name: str, **hparams: Any) -> NormLayer:
-    """Return ``norm_layer(dim, **context)`` for the registered normalizer ``name``.
-
-    ``hparams`` are the normalizer's own hyper-parameters (from its yaml); unknown ones fail here, at
-    configuration time, with the list of valid ones.
-    """
+    """``norm_layer(dim, **context)`` for the registered normalizer ``name``; unknown ``hparams`` fail here,
+    listing the valid ones."""
     cls = get_norm_class(name)
     accepted = _accepted_keywords(cls)
     if accepted is not None:

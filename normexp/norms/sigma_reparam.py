@@ -1,17 +1,8 @@
 """sigma-Reparam (Zhai et al. 2023, arXiv 2303.06296, Sec. 3), the weight-normalization-based baseline of
-DyT Table 9 (arXiv 2503.10622 Sec. 6.3): every norm slot the identity, and every Linear and Conv weight W
-used as ``gamma / sigma(W) * W``, sigma(W) its spectral norm and gamma a learnable scalar.
-
-As apple/ml-sigma-reparam ``vision/layers.py`` (``convert_to_sn``, ``SNLinear``, ``SpectralNormedWeight``)
-does it: sigma from an SVD at conversion, then one power-iteration step per training forward (the singular
-vector ``u`` a buffer, updated in training only, no gradient through it; sigma itself is differentiated
-through ``v^T W u``); gamma starts at the initial sigma; a converted layer is re-initialised as a new
-``SNLinear`` is -- weight trunc-normal(0.02 x gain), bias PyTorch's default (``reinit``; off: the model's
-own initialisation); a conv's weight is its (out, in x k x k) matrix. Ours is a
-``torch.nn.utils.parametrize`` parametrization of the weight (``<layer>.parametrizations.weight``), with the
-power iteration in float32 under autocast as the repository's ``FP32SpectralNormedWeight``. The classifier
-(``get_classifier()``) stays plain unless ``convert_classifier``: the repository's ``vision/vit.py`` converts
-a ViT built without one; ``plain`` names more layers to leave (fnmatch).
+DyT Table 9 (arXiv 2503.10622 Sec. 6.3): every norm slot the identity, every Linear and Conv weight used as
+``gamma / sigma(W) * W``, as apple/ml-sigma-reparam ``vision/layers.py`` does it (SVD at conversion, one
+power-iteration step per training forward, float32 under autocast, ``reinit`` as a new ``SNLinear``). The
+classifier stays plain unless ``convert_classifier``; ``plain`` names more layers to leave (fnmatch).
 """
 
 from __future__ import annotations
@@ -67,8 +58,7 @@ class SpectralReparam(nn.Module):
 
 
 def reinitialise(layer: nn.Module, gain: float) -> None:
-    """A new ``SNLinear`` / ``SNConv2d``'s parameters: weight trunc-normal(0.02 x gain), bias uniform in
-    +-1/sqrt(fan_in) (``nn.Linear``'s default, which ``SNLinear`` leaves)."""
+    """A new ``SNLinear`` / ``SNConv2d``'s parameters: weight trunc-normal(0.02 x gain), bias torch's."""
     nn.init.trunc_normal_(layer.weight, std=0.02 * gain)
     if layer.bias is not None:
         fan_in = layer.weight[0].numel()

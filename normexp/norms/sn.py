@@ -1,25 +1,8 @@
 """Switchable Normalization (Luo et al., ICLR 2019, arXiv 1806.10779): the "SN" column of DTN's Table 2.
-
-The layer standardises with a learned mix of three sets of statistics, one softmax over (IN, LN, BN) for the
-mean and another for the variance (paper Eq. 3; switchablenorms/Switchable-Normalization
-``devkit/ops/switchable_norm.py``, ``mean_weight`` / ``var_weight`` of three logits initialised to 1, i.e.
-1/3 each):
-
-``y = gamma * (x - sum_k w_k mu_k) / sqrt(sum_k w'_k var_k + eps) + beta``, k in {IN, LN, BN}.
-
-The statistics, for (B, N, C) tokens and for maps in both layouts (a map's H*W positions are its tokens):
-
-* IN: per sample and channel, over the tokens;
-* LN: per token, over its channels -- the LayerNorm the transformers here use, and the one SN replaces in
-  DTN's Table 2 (the paper's CNN form takes LN over (C, H, W) of a sample; for tokens, per-token LN is the
-  layer in question);
-* BN: per channel, over the batch and the tokens; in eval the running mean / variance (momentum 0.1, i.e.
-  the official 0.9 decay; updated with the unbiased batch variance and starting at 0 / 1, as
-  ``nn.BatchNorm``).
-
-Every variance is the population variance of the paper's equations (the official code's ``torch.var`` is
-unbiased for IN), so a one-hot choice gives exactly IN (``InstanceNorm(unbiased=False)``), LN or BN
-(``nn.BatchNorm``, train and eval). Prefix (class) tokens are tokens like any other.
+A softmax-weighted mix of IN, LN and BN statistics, one for the mean and one for the variance (paper Eq. 3;
+switchablenorms/Switchable-Normalization ``devkit/ops/switchable_norm.py``, logits initialised to 1). For
+tokens LN is per token (the layer SN replaces in DTN's Table 2); all variances are the population's, so a
+one-hot choice gives exactly IN, LN or BN.
 """
 
 from __future__ import annotations
@@ -63,7 +46,6 @@ class SwitchableNorm(nn.Module):
         return channel_affine(y, self.weight, self.bias, self.data_format)
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, C) tokens."""
         var_in, mean_in = torch.var_mean(x, dim=1, keepdim=True, correction=0)  # (B, 1, C)
         var_ln, mean_ln = torch.var_mean(x, dim=2, keepdim=True, correction=0)  # (B, T, 1)
         if self.training:

@@ -1,4 +1,1 @@
-"""Paper tables: specs (configs/table/), scales (configs/scale/), planning, the sweep, aggregation, rendering.
-
-Run records are the only input: a table never reads W&B. ``normexp table --help`` for the command line.
-"""
+"""Paper tables from run records (never W&B): specs, scales, planning, sweep, aggregation, rendering."""

@@ -1,24 +1,7 @@
-"""Run records -> table cells: mean and 95 % interval over seeds, markers for runs that are not results,
-deltas with their intervals, and aggregates across backbones (the statistics: :mod:`normexp.tables.stats`).
-
-Rows whose runs are the very same (two paper rows a scale maps onto one member and recipe) point to the
-first of them (``Row.same_as``): the renderers say so instead of presenting them as two results.
-
-A cell of row r and metric m holds the values of m over r's runs that completed (one per seed, with the
-seed), their mean, Student t interval, std and n, and one marker per run that did not: ``diverged@<step>``
-(a result: the loss became non-finite at that step), ``failed: <first line of the error>``, ``running``, or
-``missing`` (no record). Deltas are taken against the spec's baseline row (same labels except what the
-baseline rule sets): ours paired by seed where both rows completed the same seeds (else Welch's), with its
-interval; the paper's from its two published values.
-
-A table whose rows span several backbones (each with its baseline row) also gets, per delta metric, each
-method's mean rank and probability of improvement over the baseline across the backbones
-(:func:`across_strata`).
-
-In a ``best_of`` table a row's runs sweep one setting (its lr): the row's cells are those of the value whose
-mean of the chosen metric is best among the values with a completed run (``Row.choice``); every value's
-result, diverged ones included, stays in ``Row.sweep``.
-"""
+"""Run records -> table cells: mean and 95 % interval over seeds, a marker per run that is not a result
+(``diverged@<step>``, ``failed: ...``, ``running``, ``missing``), deltas against the baseline row with their
+intervals (:mod:`normexp.tables.stats`), cross-backbone aggregates, and a ``best_of`` row's chosen value.
+Rows that are the very same runs point to the first of them (``Row.same_as``)."""
 
 from __future__ import annotations
 
@@ -100,17 +83,14 @@ class Cell:
 
     @property
     def by_seed(self) -> dict[Any, float]:
-        """The values keyed by seed (by seed and position where a seed repeats)."""
         return stats.by_seed(self.seeds, self.values)
 
     @property
     def interval(self) -> stats.Interval | None:
-        """The mean and its 95 % Student t interval (none for one run)."""
         return stats.t_interval(self.values)
 
     @property
     def within_noise(self) -> bool | None:
-        """Whether the delta's interval contains 0; None without one."""
         return stats.within_noise(self.delta_interval)
 
     @property
@@ -152,7 +132,6 @@ class Row:
 
     @property
     def norm(self) -> str | None:
-        """The normalizer the row's runs use (what its plots are coloured by)."""
         name = self.labels.get("norm.name")
         return str(name) if name is not None else get_path(self.points[0][1].config, "norm.name")
 
@@ -239,8 +218,7 @@ def aggregate(plan: TablePlan) -> TableResult:
 
 
 def choose(spec: TableSpec, row: Row) -> None:
-    """``row.sweep`` (each swept value's cell of the best_of metric) and ``row.choice``, the best value whose
-    seeds all completed (the first of equals, in the blocks' order)."""
+    """``row.sweep`` and ``row.choice``: the best value whose seeds all completed (first of equals)."""
     best = spec.best_of
     metric = next(m for m in spec.metrics if m.key == best.metric)
     for value in dict.fromkeys(p.choice for p, _ in row.points):
@@ -296,8 +274,7 @@ class Method:
 
 @dataclass
 class Across:
-    """A delta metric's aggregate over the strata of a table: the methods' mean ranks and probabilities of
-    improvement (Agarwal et al. 2021), strata being the rows' labels other than the method's."""
+    """A delta metric's mean ranks and probabilities of improvement over a table's strata."""
 
     metric: Metric
     stratum_keys: tuple[str, ...]
@@ -306,10 +283,8 @@ class Across:
 
 
 def across_strata(result: TableResult) -> list[Across]:
-    """Per delta metric, each method's mean rank and probability of improvement over its stratum's baseline
-    row, for a table whose strata span two or more backbones (``[]`` otherwise). A method is what the
-    matching baseline rule sets (``norm.name``: LN, DTN, DyT), a stratum the rest of the row's labels (its
-    backbone); rows that repeat another row's runs count once."""
+    """Per delta metric, each method's mean rank and probability of improvement over its stratum's baseline,
+    for tables spanning two or more backbones (``[]`` otherwise)."""
     spec = result.spec
     strata: dict[tuple[tuple[str, str], ...], dict[tuple[tuple[str, str], ...], Row]] = {}
     method_labels: dict[tuple[tuple[str, str], ...], dict[str, Any]] = {}

@@ -1,13 +1,7 @@
-"""Render an aggregated table: Markdown, CSV (tidy: one line per row x metric), LaTeX (booktabs) and plots.
-
-Every format says what produced it: the paper source, the scale and what ran at it, the seeds, the date,
-the git commit(s) and the hardware of the runs. A cell reads ``mean ± h (n)`` over the completed seeds, h
-the half-width of the mean's 95 % Student t interval (``mean (1 run)``: no interval), then a marker per run
-that is not a result (``diverged@<step>``, ``failed: ...``, ``missing``). A delta reads ``+d ± h``, paired by
-seed or Welch's (marked), with ``≈`` where its interval contains 0 (within noise) -- in every format and plot.
-Tables across several backbones add each method's mean rank and probability of improvement over the baseline
-with stratified bootstrap intervals (``<id>_across.csv``, and a second table in the Markdown and LaTeX).
-"""
+"""Render an aggregated table: Markdown, CSV (tidy), LaTeX (booktabs) and plots, each saying what produced it
+(paper source, scale, seeds, date, commits, hardware). Cells read ``mean ± h (n)`` (h: half the 95 % t
+interval), deltas ``+d ± h`` with ``≈`` where the interval contains 0; docs/tables-and-figures.md
+(*Output*)."""
 
 from __future__ import annotations
 
@@ -65,8 +59,8 @@ def delta(value: float | None, metric: Metric) -> str:
 
 
 def our_delta(cell: Cell, metric: Metric) -> str:
-    """``+d ± h`` (h: the half-width of the delta's 95 % interval), ``≈`` when it contains 0, ``(Welch)``
-    when the two rows' seeds differ; ``+d`` alone (no interval) when a side has one run."""
+    """``+d ± h``, ``≈`` when the interval contains 0, ``(Welch)`` when the seeds differ; ``+d`` alone: no
+    interval."""
     found = cell.delta_interval
     if found is None:
         return "—"
@@ -79,8 +73,7 @@ def our_delta(cell: Cell, metric: Metric) -> str:
 
 
 def sweep_columns(result: TableResult) -> tuple[list[str], Callable[[Row], list[str]]]:
-    """A best_of table's two extra columns -- the chosen value, and every value's result
-    (``0.5: 72.1; 1: diverged@40``) -- and what they show for a row; none for other tables."""
+    """A best_of table's two extra columns (the chosen value, every value's result) and a row's cells."""
     spec = result.spec
     if spec.best_of is None:
         return [], lambda _row: []
@@ -188,9 +181,7 @@ WEIGHTS = {"ema": "the EMA model's", "raw": "the trained model's"}
 
 
 def reported_weights_line(result: TableResult) -> str:
-    """Which weights our ``metrics.reported`` values come from, per row, as the runs recorded them: those
-    its recipe says the paper reports (``trainer.ema.reported``; a scale without EMA has the trained model
-    only)."""
+    """Which weights our ``metrics.reported`` values come from, per row (``trainer.ema.reported``)."""
     spec = result.spec
     if not any(path.startswith("metrics.reported.") for m in spec.metrics for path in m.value):
         return ""
@@ -224,8 +215,7 @@ def ran_as(result: TableResult, row: Row, keys: tuple[str, ...] | None = None) -
 
 
 def repeated_groups(result: TableResult) -> dict[str, str]:
-    """Groups (values of the first row key) every row of which repeats the runs of another group's rows:
-    ``{repeating group: the group it repeats}``."""
+    """``{repeating group: the group it repeats}`` for groups whose every row repeats another's runs."""
     key = result.spec.rows[0]
     groups: dict[str, list[Row]] = {}
     for row in result.rows:
@@ -239,8 +229,7 @@ def repeated_groups(result: TableResult) -> dict[str, str]:
 
 
 def shared_runs_notes(result: TableResult) -> list[str]:
-    """One sentence per set of rows that are one set of runs at this scale (two paper models mapped onto one
-    member): their values are shown on each row but are one result, not several."""
+    """One sentence per set of rows that are one set of runs at this scale: one result, not several."""
     spec, key = result.spec, result.spec.rows[0]
     repeated = repeated_groups(result)
     notes = []
@@ -316,8 +305,7 @@ def _pivot_grid(result: TableResult, shown: bool) -> tuple[list[str], list[list[
 
 # ---------------------------------------------------------------- across backbones
 def bracket(found: Interval | None, spec: str, noise_at: float | None = None) -> str:
-    """``estimate [low, high] (n)`` (no interval: ``estimate (n)``), ``≈`` where the interval holds
-    ``noise_at``."""
+    """``estimate [low, high] (n)``, ``≈`` where the interval holds ``noise_at``."""
     if found is None:
         return "—"
     text = format(found.estimate, spec)
@@ -470,10 +458,8 @@ def headline(result: TableResult) -> Metric:
 
 
 def plot_bars(result: TableResult, path: Path) -> None:
-    """The headline metric per normalizer (bars: the mean; error bars: its 95 % t interval; n under each
-    bar), grouped by the first row key: each normalizer in its colour (``normexp.plotting``), its variants
-    hatched, every bar in the legend; a bar whose delta is within noise is pale with a dashed edge and
-    ``≈`` above it; rows that repeat another row's runs are drawn once, under both names."""
+    """The headline metric per normalizer (mean, 95 % t error bars, n), grouped by the first row key; bars
+    within noise pale and marked ``≈``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -541,8 +527,7 @@ def _member_label(spec: Any, group_key: str, member: tuple[str, ...]) -> str:
 
 
 def plot_curves(result: TableResult, path: Path) -> None:
-    """Training loss per step and the headline validation metric per epoch of every run of the table, each
-    normalizer in its colour, its rows by line style (a row that repeats another row's runs: drawn once)."""
+    """Training loss per step and the headline validation metric per epoch of every run of the table."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -598,8 +583,8 @@ def plot_curves(result: TableResult, path: Path) -> None:
 
 # ---------------------------------------------------------------- writing
 def write_table(result: TableResult, out_dir: Path = RESULTS_DIR / "tables") -> list[Path]:
-    """The table's files in ``out_dir`` (at a scale other than the default: in ``out_dir/<scale>``), its entry
-    in that folder's ``index.json`` and the README beside ``out_dir`` (``results/README.md``)."""
+    """The table's files in ``out_dir`` (``out_dir/<scale>`` off the default scale), ``index.json`` and the
+    README section."""
     readme = out_dir.parent / "README.md"
     scale = result.plan.scale.name
     if scale != DEFAULT_SCALE:
@@ -644,8 +629,7 @@ def update_index(result: TableResult, out_dir: Path, readme: Path) -> None:
 
 def write_index(out_dir: Path, key: str, entry: dict[str, Any], heading: str, markers: tuple[str, str],
                 header: str, row: Callable[[str, dict[str, Any]], str], readme: Path | None = None) -> None:
-    """Set ``key`` in ``out_dir/index.json``, then rewrite the section of ``results/README.md`` between
-    ``markers`` (added under ``## heading`` where the README has none) as a table of the whole index."""
+    """Set ``key`` in ``out_dir/index.json``, then rewrite the README section between ``markers``."""
     index_path = out_dir / "index.json"
     index = json.loads(index_path.read_text()) if index_path.is_file() else {}
     index[key] = entry

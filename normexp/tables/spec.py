@@ -1,25 +1,6 @@
-"""Table specs (``configs/table/<id>.yaml``) and scales (``configs/scale/<name>.yaml``) as plain data.
-
-A table spec says which runs make up a paper table and how to show them:
-
-- ``blocks``: Hydra sweeps (``experiment=deit_imagenet backbone=vit_small,vit_base norm=ln,dyt``), expanded
-  with Hydra's own override parser into one *point* per combination and seed;
-- ``rows`` (and, for single-metric tables, ``columns``): config paths whose values label a point
-  (``backbone.name``, ``norm.squash``), read from the config the point composes to at paper scale;
-- ``metrics``: the columns, each read from a run's ``summary.json`` (``better: min`` where lower is better:
-  FID, mCE, a loss);
-- ``baseline``: rules naming, for each row, the row its deltas are taken against;
-- ``best_of`` (optional): a config path the blocks sweep within a row (``trainer.lr_factor=0.25,0.5,1``) and
-  the metric it is chosen by -- each row shows its best completed value (a diverged one is reported, never
-  chosen), as a paper's per-method lr search;
-- ``paper``: the published values and their ``source``; where the paper's table could not be recovered,
-  ``paper_note`` says what is known (the abstract's range) and every paper cell is "n/a".
-
-A scale maps each point onto what runs at that scale: ``replace`` swaps override values by pattern (the
-papers' ImageNet recipes for the CPU demo's, each family's size for its ``*_micro`` member), ``overrides``
-adds settings per task (shorter budgets). Neither knows anything of a particular table. Its ``caption`` is
-the sentence every table made at it carries about what its numbers are evidence of.
-"""
+"""Table specs (``configs/table/<id>.yaml``: blocks, rows, metrics, baseline, best_of, paper) and scales
+(``configs/scale/<name>.yaml``: replace, overrides, caption) as plain data; docs/tables-and-figures.md
+describes both."""
 
 from __future__ import annotations
 
@@ -41,8 +22,7 @@ SCALE_DIR = CONFIG_DIR / "scale"
 
 # ---------------------------------------------------------------- where specs are found: Hydra's search path
 def searchpath_of(overrides: Iterable[str]) -> tuple[str, ...]:
-    """The entries of the ``hydra.searchpath=[...]`` override among ``overrides`` (the first, as Hydra reads
-    it), parsed by Hydra's override grammar."""
+    """The entries of the first ``hydra.searchpath=[...]`` override, parsed by Hydra's override grammar."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     found = [o for o in overrides if o.lstrip("+~").startswith("hydra.searchpath=")]
@@ -55,8 +35,7 @@ def searchpath_of(overrides: Iterable[str]) -> tuple[str, ...]:
 
 
 def config_dirs(searchpath: Iterable[str] = ()) -> list[Path]:
-    """normexp's config tree, then each directory of Hydra's search path (``file://<dir>``,
-    ``pkg://<package>``) -- Hydra's order: where two hold the same name, the first wins, as in Hydra."""
+    """normexp's config tree, then each directory of Hydra's search path; the first holding a name wins."""
     dirs = [CONFIG_DIR]
     for entry in searchpath:
         scheme, _, where = entry.partition("://") if "://" in entry else ("file", "", entry)  # as Hydra
@@ -180,7 +159,6 @@ class TableSpec:
         return None
 
     def baseline_keys(self, labels: dict[str, Any]) -> tuple[str, ...]:
-        """The keys the baseline rule of ``labels`` sets (what tells a row from its baseline row)."""
         for rule in self.baseline:
             when = rule.get("when", {})
             if all(fnmatch.fnmatchcase(str(labels.get(k)), str(v)) for k, v in when.items()):
@@ -201,8 +179,7 @@ METRIC_KEYS = {"key", "label", "value", "fmt", "scale", "delta", "derive", "bett
 
 
 def _spec_path(name: str, kind: str, searchpath: Iterable[str]) -> Path:
-    """``<kind>/<name>.yaml`` in the first config directory that has it (normexp's, then the search path's),
-    or ``name`` itself when it is a path to a yaml file."""
+    """``<kind>/<name>.yaml`` in the first config directory that has it, or ``name`` if it is a yaml path."""
     if name.endswith((".yaml", ".yml")):
         return Path(name)
     found = (d / kind / f"{name}.yaml" for d in config_dirs(searchpath))
@@ -210,8 +187,7 @@ def _spec_path(name: str, kind: str, searchpath: Iterable[str]) -> Path:
 
 
 def load_table(name: str, searchpath: Iterable[str] = ()) -> TableSpec:
-    """The table ``configs/table/<name>.yaml`` -- normexp's, or one in a directory of Hydra's search path
-    (``hydra.searchpath=[file://<dir>/configs]``) -- or the spec file ``name``; its id is the file's stem."""
+    """The table ``configs/table/<name>.yaml`` (or on Hydra's search path), or the spec file ``name``."""
     searchpath = tuple(searchpath)
     path = _spec_path(name, "table", searchpath)
     table_id = path.stem
@@ -282,9 +258,8 @@ SCALE_KEYS = {"extends", "description", "caption", "seeds", "replace", "override
 
 
 def load_scale(name: str, searchpath: Iterable[str] = ()) -> Scale:
-    """The scale ``configs/scale/<name>.yaml`` (normexp's or on the search path, as a table) or the file
-    ``name``. ``extends: <scale>`` starts from that scale: this file's ``replace`` patterns are tried before
-    its own, its ``overrides`` replace the base's task by task, and the rest is this file's."""
+    """The scale ``configs/scale/<name>.yaml`` or the file ``name``; ``extends: <scale>`` starts from that
+    scale (this file's patterns first, its overrides replacing the base's task by task)."""
     path = _spec_path(name, "scale", searchpath)
     name = path.stem
     data = _load_yaml(path, "scale", list_scales(searchpath))

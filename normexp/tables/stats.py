@@ -1,18 +1,6 @@
-"""How sure a table's numbers are: confidence intervals over seeds, paired and unpaired deltas, and the
-aggregates across backbones that Agarwal et al. recommend (Deep RL at the edge of the statistical precipice,
-NeurIPS 2021, arXiv:2108.13264; their ``rliable`` library).
-
-- :func:`t_interval`: the mean of a cell's seeds and its 95 % confidence interval, Student's t with n - 1
-  degrees of freedom (none for one run).
-- :func:`paired_delta` (the per-seed differences of two rows that ran the same seeds: their mean and t
-  interval), :func:`welch_delta` (two rows whose seeds differ: Welch's t interval, with the
-  Welch-Satterthwaite degrees of freedom, Welch 1947), and :func:`delta`, which picks one of the two;
-  :func:`within_noise`: whether a delta's interval contains 0.
-- :func:`pooled_std`: the seed-to-seed standard deviation pooled over the rows of a table.
-- :func:`probability_of_improvement` and :func:`mean_ranks` across strata (backbones), with stratified
-  bootstrap intervals (each stratum's runs resampled within it, as Agarwal et al. do), by
-  ``scipy.stats.bootstrap``'s percentile method.
-"""
+"""How sure a table's numbers are: t intervals over seeds, paired and Welch deltas (Welch 1947), the pooled
+seed std, and the cross-backbone aggregates of Agarwal et al. (NeurIPS 2021, arXiv:2108.13264; their
+``rliable`` library): probability of improvement and mean ranks with stratified bootstrap intervals."""
 
 from __future__ import annotations
 
@@ -35,10 +23,8 @@ BOOTSTRAP_SEED = 0  # the same intervals on every render of the same records
 
 @dataclass(frozen=True)
 class Interval:
-    """An estimate and its confidence interval (``low``/``high`` None: no interval, e.g. one run).
-
-    ``n``: runs (pairs of runs for a paired delta) it is made of; ``df``: the t distribution's degrees of
-    freedom; ``kind``: how it was made (``t``, ``paired``, ``Welch``, ``bootstrap``)."""
+    """An estimate and its confidence interval (``low``/``high`` None: no interval, e.g. one run); ``n`` runs
+    or pairs, ``df`` degrees of freedom, ``kind`` (``t``, ``paired``, ``Welch``, ``bootstrap``)."""
 
     estimate: float
     low: float | None = None
@@ -72,8 +58,7 @@ def by_seed(seeds: Sequence[Hashable], values: Sequence[float]) -> dict[Hashable
 
 
 def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval | None:
-    """The mean of ``values`` and its Student t interval (n - 1 df); one value: the value, no interval;
-    none: None."""
+    """The mean of ``values`` and its Student t interval; one value: no interval; none: None."""
     n = len(values)
     if n == 0:
         return None
@@ -85,8 +70,7 @@ def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Inter
 
 def paired_delta(x: Mapping[Hashable, float], y: Mapping[Hashable, float],
                  confidence: float = CONFIDENCE) -> Interval | None:
-    """``x - y`` paired by key (seed): the mean of the per-seed differences over the keys both have, and
-    its t interval (n - 1 df over n pairs); one pair: no interval; none: None."""
+    """``x - y`` paired by seed over the seeds both have, with its t interval; one pair: no interval."""
     diffs = [x[k] - y[k] for k in x if k in y]
     found = t_interval(diffs, confidence)
     return None if found is None else Interval(found.estimate, found.low, found.high, found.n, found.df,
@@ -94,8 +78,8 @@ def paired_delta(x: Mapping[Hashable, float], y: Mapping[Hashable, float],
 
 
 def welch_delta(x: Sequence[float], y: Sequence[float], confidence: float = CONFIDENCE) -> Interval | None:
-    """``mean(x) - mean(y)`` of two independent samples and Welch's t interval, its degrees of freedom by
-    the Welch-Satterthwaite equation (Welch 1947); a side with one value: no interval; an empty side: None."""
+    """``mean(x) - mean(y)`` with Welch's t interval; a side with one value: no interval; an empty side:
+    None."""
     if not x or not y:
         return None
     estimate = statistics.fmean(x) - statistics.fmean(y)
@@ -110,24 +94,21 @@ def welch_delta(x: Sequence[float], y: Sequence[float], confidence: float = CONF
 
 def delta(x: Mapping[Hashable, float], y: Mapping[Hashable, float],
           confidence: float = CONFIDENCE) -> Interval | None:
-    """``x - y`` for two rows' values keyed by seed: paired when both have the same seeds (then the
-    estimate is also the difference of the two means), Welch's where they differ."""
+    """``x - y`` for two rows keyed by seed: paired when both have the same seeds, else Welch's."""
     if x and set(x) == set(y):
         return paired_delta(x, y, confidence)
     return welch_delta(list(x.values()), list(y.values()), confidence)
 
 
 def within_noise(interval: Interval | None) -> bool | None:
-    """Whether the interval contains 0 (the difference is not told apart from seed noise); None without an
-    interval."""
+    """Whether the interval contains 0; None without an interval."""
     if interval is None or not interval.has_interval:
         return None
     return interval.low <= 0 <= interval.high  # type: ignore[operator]
 
 
 def pooled_std(samples: Sequence[Sequence[float]]) -> tuple[float, int] | None:
-    """The standard deviation pooled over samples of two or more values, sqrt(sum (n_i - 1) s_i^2 /
-    sum (n_i - 1)), and its degrees of freedom; None when no sample has two values."""
+    """The std pooled over samples of two or more values and its df; None when no sample has two values."""
     used = [s for s in samples if len(s) >= 2]
     df = sum(len(s) - 1 for s in used)
     if df == 0:
@@ -138,8 +119,7 @@ def pooled_std(samples: Sequence[Sequence[float]]) -> tuple[float, int] | None:
 # ---------------------------------------------------------------- across strata (backbones)
 def bootstrap_interval(samples: Sequence[Sequence[float]], statistic: Callable[..., Any],
                        confidence: float = CONFIDENCE, n_resamples: int = N_RESAMPLES) -> tuple[float, float]:
-    """The percentile interval of ``statistic(*samples, axis=-1)`` under the stratified bootstrap: each
-    sample resampled with replacement within itself (``scipy.stats.bootstrap`` with ``paired=False``)."""
+    """The percentile interval of ``statistic(*samples, axis=-1)`` under the stratified bootstrap."""
     from scipy import stats
 
     seed = {"rng": BOOTSTRAP_SEED} if "rng" in inspect.signature(stats.bootstrap).parameters \
@@ -158,12 +138,9 @@ def _score(x: Any, y: Any) -> Any:
 def probability_of_improvement(strata: Sequence[tuple[Mapping[Hashable, float], Mapping[Hashable, float]]],
                                higher_is_better: bool = True,
                                confidence: float = CONFIDENCE) -> Interval | None:
-    """P(X > Y): the chance that a run of X beats a run of Y on the same stratum (backbone), the mean over
-    strata of each stratum's chance (Agarwal et al. 2021, Sec. 4.3). A stratum is ``(x, y)``, the two
-    methods' values keyed by seed: where both ran the same seeds, the runs compared are those of the same
-    seed; where the seeds differ, every run of X with every run of Y (the Mann-Whitney statistic, as
-    ``rliable``). The interval is the stratified bootstrap's (runs resampled within their stratum); it is
-    None where some stratum has fewer than two runs (pairs) on a side."""
+    """P(X > Y) averaged over strata (Agarwal et al. 2021, Sec. 4.3); a stratum is ``(x, y)`` keyed by seed,
+    compared seed by seed where the seeds agree, else all pairs (as ``rliable``). No interval where a stratum
+    has fewer than two runs on a side."""
     sign = 1.0 if higher_is_better else -1.0
     samples: list[list[float]] = []
     layout: list[int] = []  # per stratum: 1 (one sample of per-seed scores) or 2 (x's and y's runs)
@@ -200,9 +177,8 @@ def probability_of_improvement(strata: Sequence[tuple[Mapping[Hashable, float], 
 
 def mean_ranks(strata: Sequence[Mapping[Hashable, Sequence[float]]], higher_is_better: bool = True,
                confidence: float = CONFIDENCE) -> dict[Hashable, Interval]:
-    """Each method's rank by its mean in each stratum (1: best; ties share the mean of their ranks), averaged
-    over the strata it is in (Agarwal et al. 2021's rank aggregate), with a stratified bootstrap interval
-    (each method's runs resampled within their stratum); no interval where some run set has one run."""
+    """Each method's rank (1: best; ties share) averaged over its strata, with a stratified bootstrap
+    interval; none where some run set has one run."""
     from scipy import stats
 
     sign = -1.0 if higher_is_better else 1.0  # rank 1 for the best

@@ -1,14 +1,7 @@
-"""ImageNet-style classification: build data and model, train with the common loop, record (and optionally
-evaluate the final model on corruptions: ``task.robustness.enabled=true``).
-
-``task.pretrained=<run>`` fine-tunes from another run's backbone -- a pre-training run's (MAE's encoder,
-DINO's teacher) or a classifier's -- keeping its normalizer (``task.keep_pretrained_norm``); every weight is
-accounted for (``normexp.tasks.pretrained``). ``task.linear_probe`` trains a new head only, on
-batch-normalised features of the frozen backbone (MAE's ``main_linprobe.py``).
-
-The classifier's part of the loop follows DeiT's main.py / engine.py (and timm's train.py): Mixup/CutMix with
-soft-target cross-entropy, else label smoothing, else plain cross-entropy; top-1 / top-5 accuracy.
-"""
+"""ImageNet-style classification as DeiT's ``main.py`` / ``engine.py`` train it (and timm's ``train.py``):
+Mixup/CutMix, label smoothing, top-1 / top-5. ``task.pretrained=<run>`` fine-tunes from another run's backbone
+(``normexp.tasks.pretrained``); ``task.linear_probe`` trains a head on frozen, batch-normalised features
+(MAE's ``main_linprobe.py``); ``task.robustness.enabled=true`` evaluates the final model on corruptions."""
 
 from __future__ import annotations
 
@@ -41,8 +34,7 @@ log = logging.getLogger(__name__)
 
 
 def build_mixup(cfg: Any, num_classes: int) -> Mixup | None:
-    """timm's Mixup/CutMix from ``trainer.mixup`` (its targets smoothed by ``trainer.smoothing``); None when
-    both alphas are 0."""
+    """timm's Mixup/CutMix from ``trainer.mixup``; None when both alphas are 0."""
     mix = cfg.mixup
     if mix.mixup_alpha <= 0 and mix.cutmix_alpha <= 0:
         return None
@@ -52,8 +44,7 @@ def build_mixup(cfg: Any, num_classes: int) -> Mixup | None:
 
 
 def training_loss(smoothing: float, mixup: Mixup | None) -> nn.Module:
-    """DeiT's choice: soft-target cross-entropy after Mixup (which already smooths the targets), else label
-    smoothing, else plain cross-entropy."""
+    """DeiT's choice: soft-target cross-entropy after Mixup, else label smoothing, else cross-entropy."""
     if mixup is not None:
         return SoftTargetCrossEntropy()
     if smoothing > 0:
@@ -93,8 +84,8 @@ def check_classification(cfg: Any) -> None:
 
 
 def with_pretrained_model(cfg: DictConfig) -> DictConfig:
-    """With ``task.pretrained``: the config with the starting run's normalizer (unless
-    ``task.keep_pretrained_norm=false``); a run of another backbone is refused in one line."""
+    """With ``task.pretrained``: the starting run's normalizer (unless ``task.keep_pretrained_norm=false``);
+    another backbone is refused in one line."""
     source = cfg.task.get("pretrained")
     if not source:
         return cfg
@@ -114,9 +105,8 @@ def with_pretrained_model(cfg: DictConfig) -> DictConfig:
 
 
 def start_from(model: nn.Module, cfg: Any, record: RunRecord) -> None:
-    """``task.pretrained``'s backbone weights into ``model`` (its classifier head and ``fc_norm`` start
-    afresh unless the starting run has them in the same shape), ``task.head_init_std``, and for
-    ``task.linear_probe`` a frozen backbone under a batch-normalised linear head (MAE's linprobe)."""
+    """``task.pretrained``'s backbone weights into ``model``, ``task.head_init_std``, and for
+    ``task.linear_probe`` a frozen backbone under a batch-normalised linear head."""
     source = cfg.task.get("pretrained")
     if source:
         weights, which, task = starting_weights(source)

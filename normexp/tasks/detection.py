@@ -1,12 +1,6 @@
 """COCO detection: RetinaNet or Mask R-CNN over a normexp backbone, the common loop, COCOeval.
-
-``task.pretrained=<run dir or checkpoint>`` initialises the backbone: the backbone and norm are rebuilt from
-that run's stored config (``with_pretrained_backbone``, applied before the record is written, so the record
-names the model that runs) and the backbone weights its task reports (``Task.backbone_weights``: a
-classifier's EMA model's when its recipe reports the EMA, ``trainer.ema.reported`` -- DTN, T2T-ViT -- else
-the trained model's) load strictly; only the weights detection adds (a plain model's simple pyramid) start
-fresh; a classifier head is kept, unused.
-"""
+``task.pretrained=<run>`` rebuilds the backbone and norm from that run's config and loads the weights its
+task reports strictly; only what detection adds starts fresh."""
 
 from __future__ import annotations
 
@@ -86,13 +80,8 @@ def check_detection(cfg: Any) -> None:
 
 
 def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
-    """The config with the pretrained run's backbone and norm in place of the configured ones.
-
-    The backbone keeps its classification geometry (``img_size``, ``num_classes``), so its weights load as
-    they are; dense tasks run it at other input sizes (ViT and Swin resample, LeViT gets resized inputs).
-    What belongs to this run stays this run's: ``drop_path_rate`` (the detection recipe's) and the ``dense``
-    settings (from the backbone's config file, so runs recorded before a family had them still work).
-    """
+    """The config with the pretrained run's backbone and norm, at its classification geometry; this run's
+    ``drop_path_rate`` and ``dense`` settings stay."""
     check_detection(cfg)
     if not cfg.task.get("pretrained"):
         return cfg

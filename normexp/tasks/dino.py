@@ -1,34 +1,11 @@
 """DINO pre-training (``task=dino``; Caron et al. 2021, arXiv 2104.14294; facebookresearch/dino
-``main_dino.py``): self-distillation without labels -- a student learns to match, from every view of an
-image, a teacher's output on the image's global views; the teacher is an exponential moving average of the
-student.
+``main_dino.py``): a student matches, from every view, an EMA teacher's output on the global views.
 
-What the official loop does, and this task does the same way:
-
-* Views (:func:`dino_views`): two global crops (RandomResizedCrop at the data's size, ``task.global_scale``)
-  and ``task.local_crops`` local ones (``task.local_size`` px, ``task.local_scale``), each flipped and
-  colour-jittered (p 0.8: brightness 0.4, contrast 0.4, saturation 0.2, hue 0.1), made grayscale (p 0.2) and
-  blurred (``task.blur_radius``, DINO's 0.1-2 px at 224 px: p 1.0 for the first global view, 0.1 for the
-  second, 0.5 for the local ones); the second global view is also solarized (p 0.2).
-* Student and teacher: the configured backbone (the normalizer in every slot of both; the teacher without
-  drop path) with :class:`~normexp.models.dino.DINOHead`; the teacher starts as the student, takes no
-  gradient and follows it by EMA with momentum cosine from ``task.momentum_teacher`` to 1 over the run.
-* The loss (:class:`DINOLoss`): cross-entropy between the centred, sharpened teacher output of each global
-  view (temperature warmed up linearly from ``task.warmup_teacher_temp`` to ``task.teacher_temp`` over
-  ``task.warmup_teacher_temp_epochs``, then constant) and the student output (temperature
-  ``task.student_temp``) of every other view; the centre follows the teacher's batch mean (all-reduced over
-  processes) with momentum ``task.center_momentum``.
-* The optimizer: weight decay cosine from ``trainer.weight_decay`` to ``task.weight_decay_end`` per update
-  on the decayed parameters (all but biases and 1-D ones), lr per update from the trainer's schedule
-  (DINO's linear rule: ``trainer.lr_base_size=256``), each parameter's gradient norm clipped
-  (``trainer.clip_mode=param``), the last layer's gradient dropped for the first ``task.freeze_last_layer``
-  epochs.
-
-The monitor: DINO's weighted k-NN (``eval_knn.py``: ``task.knn_k`` neighbours, temperature
-``task.knn_temperature``) of the teacher backbone's features, the training images as the memory bank, on
-the validation images: ``val/knn_top1`` and ``val/knn_top5``. The schedules follow from the update count, and
-the teacher and the centre are in the checkpoint: a resumed run is the run it would have been. Fine-tuning
-starts from the teacher's backbone (``backbone_weights``), as DINO's evaluations do.
+Views, loss, teacher momentum and temperature, weight-decay schedule, per-parameter clipping and the frozen
+last layer follow ``main_dino.py`` (docs/self-supervision.md; their knobs are ``task.*``). The monitor is
+DINO's weighted k-NN (``eval_knn.py``) on the teacher backbone's features: ``val/knn_top1`` /
+``val/knn_top5``. The teacher and the centre are checkpointed, so a resumed run is the run it would have been;
+fine-tuning starts from the teacher's backbone, as DINO's evaluations do.
 """
 
 from __future__ import annotations
@@ -63,9 +40,7 @@ BACKBONE = "backbone."
 
 # ---------------------------------------------------------------- views
 class GaussianBlur:
-    """DINO's blur: with probability ``p``, a Gaussian of radius uniform in ``radius`` (DINO: 0.1 to 2 px at
-    224 px; PIL's filter for PIL images, for tensors the same sigma, a kernel of 3 sigma on each side, at most
-    the image's size)."""
+    """DINO's blur: with probability ``p``, a Gaussian of radius uniform in ``radius`` (PIL or tensors)."""
 
     def __init__(self, p: float, radius: tuple[float, float] = (0.1, 2.0)) -> None:
         self.p, self.radius = p, radius
@@ -95,7 +70,7 @@ class Solarization:
 
 
 def dino_views(settings: Any) -> Any:
-    """The multi-crop views of ``main_dino.py``'s ``DataAugmentationDINO`` (see the module docstring)."""
+    """The multi-crop views of ``main_dino.py``'s ``DataAugmentationDINO``."""
     def transform(spec: ImageSpec) -> Any:
         flip_and_jitter = [v2.RandomHorizontalFlip(settings.hflip),
                            v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
@@ -119,9 +94,7 @@ def dino_views(settings: Any) -> Any:
 # ---------------------------------------------------------------- schedules and loss
 def cosine_schedule(base: float, final: float, total: int, warmup: int = 0,
                     start: float = 0.0) -> np.ndarray:
-    """DINO's ``utils.cosine_scheduler`` over ``total`` updates: linear from ``start`` to ``base`` over the
-    first ``warmup`` (inclusive of both ends), then ``final + (base - final)(1 + cos(pi i / n)) / 2`` for
-    the remaining n."""
+    """DINO's ``utils.cosine_scheduler`` over ``total`` updates (linear warm-up, then cosine)."""
     ramp = np.linspace(start, base, warmup) if warmup > 0 else np.array([])
     rest = np.arange(total - warmup)
     cosine = final + 0.5 * (base - final) * (1 + np.cos(np.pi * rest / max(len(rest), 1)))
@@ -137,7 +110,7 @@ def teacher_temperatures(warmup_temp: float, temp: float, warmup_epochs: int, ep
 
 
 class DINOLoss(nn.Module):
-    """DINO's loss and centre (see the module docstring); ``crops``: views per image, the first two global."""
+    """DINO's loss and centre; ``crops``: views per image, the first two global."""
 
     def __init__(self, out_dim: int, crops: int, student_temp: float = 0.1,
                  center_momentum: float = 0.9) -> None:
@@ -146,8 +119,6 @@ class DINOLoss(nn.Module):
         self.register_buffer("center", torch.zeros(1, out_dim))
 
     def forward(self, student: torch.Tensor, teacher: torch.Tensor, teacher_temp: float) -> torch.Tensor:
-        """The mean over (global teacher view, other student view) pairs of the cross-entropy; then the
-        centre moves (all-reduced over processes)."""
         student_views = (student / self.student_temp).chunk(self.crops)
         targets = F.softmax((teacher - self.center) / teacher_temp, dim=-1).detach().chunk(2)
         terms = [torch.sum(-q * F.log_softmax(s, dim=-1), dim=-1).mean()
@@ -167,8 +138,7 @@ class DINOLoss(nn.Module):
 def knn_accuracy(train: torch.Tensor, train_labels: torch.Tensor, test: torch.Tensor,
                  test_labels: torch.Tensor, num_classes: int, k: int = 20,
                  temperature: float = 0.07) -> tuple[float, float]:
-    """DINO's weighted k-NN (``eval_knn.py``) on L2-normalised features: each of the ``k`` most similar
-    training features votes for its class with weight exp(similarity / temperature); top-1 and top-5 (%)."""
+    """DINO's weighted k-NN (``eval_knn.py``) on L2-normalised features: top-1 and top-5 (%)."""
     train, test = F.normalize(train, dim=1), F.normalize(test, dim=1)
     k = min(k, len(train))
     similarity, index = (test @ train.T).topk(k, dim=1)
@@ -182,8 +152,7 @@ def knn_accuracy(train: torch.Tensor, train_labels: torch.Tensor, test: torch.Te
 
 # ---------------------------------------------------------------- the model
 def build_network(cfg: Any, drop_path: bool = True) -> MultiCropNetwork:
-    """Student (``drop_path``) or teacher: the backbone, taking any input size, without a classifier, and
-    DINO's head; the configured normalizer in every slot."""
+    """Student (``drop_path``) or teacher: the classifier-free backbone at any input size, and DINO's head."""
     name, kwargs = backbone_arguments(cfg.backbone)
     kwargs.update(num_classes=0, global_pool="token", dynamic_img_size=True)
     if not drop_path:
@@ -218,7 +187,7 @@ def check_dino(cfg: Any) -> None:
 
 
 class DINOTrainer(Trainer):
-    """The common loop with DINO's teacher, loss, schedules and monitor (see the module docstring)."""
+    """The common loop with DINO's teacher, loss, schedules and monitor."""
 
     def __init__(self, cfg: Any, student: MultiCropNetwork, teacher: MultiCropNetwork, data: Any,
                  record: RunRecord, settings: Any) -> None:
@@ -261,7 +230,6 @@ class DINOTrainer(Trainer):
 
     @torch.no_grad()
     def features(self, loader: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The teacher backbone's features and the labels of every image of ``loader``, from every process."""
         self.teacher.eval()
         found, labels = [], []
         for batch in loader:
@@ -274,7 +242,6 @@ class DINOTrainer(Trainer):
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def evaluate(self, model: nn.Module, prefix: str) -> dict[str, float]:
-        """DINO's k-NN monitor on the teacher backbone's features (``model``, the student, is not used)."""
         bank, bank_labels = self.features(self.data.train_eval)
         test, test_labels = self.features(self.data.val)
         top1, top5 = knn_accuracy(bank, bank_labels, test, test_labels, self.data.num_classes,

@@ -1,26 +1,8 @@
 """Class-conditional diffusion with DiT (``task=dit``; Peebles & Xie 2023, arXiv 2212.09748;
-facebookresearch/DiT ``train.py``, ``sample_ddp.py``): train the ``backbone`` (a ``dit_*`` model) to denoise,
-then sample it and score the samples.
-
-- Data: ADM's preprocessing (``center_crop_arr``: box-halve while the short side is at least twice the size,
-  bicubic to the size, centre crop), a flip (``task.hflip``), pixels in [-1, 1]. With ``task.vae`` the model
-  denoises the VAE's latents (encoded per batch, the posterior sampled, x 0.18215: DiT's pipeline); without,
-  the pixels themselves (the digits demo). ``task.latent_cache``: the latents encoded once and read from
-  disk (:mod:`normexp.tasks.latent_cache`).
-- Training: ADM's hybrid loss at uniformly drawn steps (:mod:`normexp.diffusion`), the label dropped to the
-  null class 10 % of the time; the optimizer, EMA and length are the trainer's (``experiment=dit_imagenet``:
-  AdamW, wd 0, no schedule, EMA 0.9999). Each evaluation reports the loss on the validation images at fixed
-  steps and noise (``val/loss``).
-- Sampling (after training, from the EMA weights when kept; on its own with ``task.checkpoint=<run dir>``):
-  ``task.fid.samples`` class-balanced samples (label = index mod classes) by DDPM ancestral steps on the
-  respaced process (``task.sampling_steps``), classifier-free guidance ``task.guidance`` (1: none), decoded,
-  to uint8 as DiT saves them. They are made in shards of ``task.fid.batch_size`` (the run's ``shards/``), each
-  from its own seeded noise and written whole (a killed job continues from the shards it finished; processes
-  share them out).
-- Scoring: the Frechet distance of the samples' features to the reference statistics -- ``fid`` with
-  Inception-v3 (torch-fidelity; ``is`` too), ``fd_digits`` with the digits stand-in -- against
-  ``task.fid.reference`` (ADM's ``.npz``, or an ImageFolder whose statistics are computed once and cached) or,
-  by default, the training split's images. A picture of samples per class goes into the record.
+facebookresearch/DiT ``train.py``, ``sample_ddp.py``): train the ``dit_*`` backbone to denoise (ADM's
+preprocessing, optionally on SD-VAE latents, ``task.latent_cache`` to encode once), then sample it in seeded
+shards with classifier-free guidance and score the samples (FID with Inception-v3, or ``fd_digits``) against
+``task.fid.reference`` or the training split. docs/generation.md has the details.
 """
 
 from __future__ import annotations
@@ -76,8 +58,8 @@ def latent(cfg: Any) -> bool:
 
 
 def with_model_input(cfg: DictConfig) -> DictConfig:
-    """The config the task runs: with a VAE the model denoises (img_size / 8)^2 x 4 latents; with
-    ``task.checkpoint``, the checkpoint run's model and normalizer."""
+    """The config the task runs: VAE latents as the model input; with ``task.checkpoint``, that run's
+    model."""
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
         if cfg.task.checkpoint:
@@ -99,8 +81,7 @@ def with_model_input(cfg: DictConfig) -> DictConfig:
 
 
 def check_dit(cfg: Any) -> None:
-    """Before any work: sizes that fit the VAE and the patches, a sampling spacing that exists, the weights
-    the run reads (VAE, Inception, a reference) present, the model buildable."""
+    """Before any work: sizes, sampling spacing, the weights the run reads, and a buildable model."""
     task = cfg.task
     if latent(cfg) and cfg.data.img_size % DOWNSAMPLE:
         raise UserError(f"data.img_size={cfg.data.img_size}: the VAE needs a multiple of {DOWNSAMPLE} "
@@ -181,7 +162,6 @@ class DiTTrainer(Trainer):
         self.codec = codec.to(self.device) if codec is not None else None
 
     def to_model_space(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Pixels as they are; images encoded by the VAE; a latent cache's posterior parameters sampled."""
         if self.codec is None:
             return images
         if images.shape[1] == 2 * CHANNELS:
@@ -195,8 +175,7 @@ class DiTTrainer(Trainer):
             return self.diffusion.training_losses(self.model, x, t, y=targets)["loss"].mean()
 
     def generator(self, stream: int) -> torch.Generator:
-        """Noise of its own (0: the validation loss, 1: the probe): the same every epoch, no random number
-        drawn from the training streams."""
+        """Noise of its own (0: the validation loss, 1: the probe), the same every epoch."""
         rank = distributed.info().rank
         return torch.Generator().manual_seed((self.seed * 1_000_003 + stream) * 1_009 + rank)
 
@@ -245,7 +224,6 @@ class Sampler:
 
     @torch.no_grad()
     def images(self, labels: torch.Tensor, stream: int) -> torch.Tensor:
-        """uint8 (N, 3, H, W) samples of ``labels``, from the noise of ``stream``."""
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + 7) * 1_000_033 + stream)
         noise = torch.randn((len(labels), *self.shape), generator=generator).to(self.device)
         # the predicted x0 clipped to the pixels' range (ADM's pixel models); latents unclipped (DiT's)
@@ -256,8 +234,6 @@ class Sampler:
         return as_uint8(x).cpu()
 
     def grid(self, classes: int, per_class: int) -> Image.Image:
-        """``per_class`` samples (columns) of each of the first ``classes`` classes spread over the label
-        range (rows)."""
         chosen = torch.linspace(0, self.num_classes - 1, min(classes, self.num_classes)).round().long()
         images = self.images(chosen.repeat_interleave(per_class), stream=-1)
         c, h, w = images.shape[1:]
@@ -315,8 +291,7 @@ def generate_shards(sampler: Sampler, extractor: nn.Module, folder: Path, settin
 
 
 def reference_statistics(cfg: Any, extractor: nn.Module, device: torch.device) -> dict[str, np.ndarray]:
-    """``task.fid.reference``: ADM's ``.npz``, or the statistics of an ImageFolder's images (ADM-cropped)
-    computed once and cached; default: the training split's images."""
+    """``task.fid.reference``: ADM's ``.npz`` or an ImageFolder's (cached); default: the training split."""
     settings, size = cfg.task.fid, cfg.data.img_size
     source = settings.reference
     if source and Path(source).is_file():
@@ -346,7 +321,6 @@ def reference_statistics(cfg: Any, extractor: nn.Module, device: torch.device) -
 
 
 def reference_images(cfg: Any, root: Path | None, batch: int = 256) -> Any:
-    """uint8 batches of the reference images: the digits' training split, or an ImageFolder ADM-cropped."""
     if root is None:
         arrays = digits_arrays(cfg.data.img_size, cfg.data.val_fraction, cfg.data.split_seed)
         images = torch.from_numpy(arrays["train_images"])[:, None].expand(-1, 3, -1, -1) * 2 - 1
@@ -364,8 +338,7 @@ def reference_images(cfg: Any, root: Path | None, batch: int = 256) -> Any:
 
 
 def digits_features(data_cfg: Any, cache_root: Path, epochs: int = 12) -> DigitsFeatures:
-    """The digits classifier of ``data_cfg``'s images (size, split), trained once and cached under
-    ``cache_root`` by those settings; its training draws from its own generator (no global random state)."""
+    """The digits classifier for ``data_cfg``'s images, trained once and cached under ``cache_root``."""
     settings = {"img_size": data_cfg.img_size, "val_fraction": data_cfg.val_fraction,
                 "split_seed": data_cfg.split_seed, "epochs": epochs, "version": 1}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
@@ -410,8 +383,7 @@ def digits_features(data_cfg: Any, cache_root: Path, epochs: int = 12) -> Digits
 
 def sample_and_score(cfg: Any, model: nn.Module, codec: LatentCodec | None, record: RunRecord,
                      device: torch.device, step: int = 0, epoch: int = 0) -> dict[str, float]:
-    """Sample the model (shards under the run's ``samples/``), score the samples, picture them (as of the
-    training ``step`` and ``epoch``)."""
+    """Sample the model (shards under the run's ``samples/``), score and picture the samples."""
     settings = cfg.task
     kind = feature_kind(cfg)
     extractor = digits_features(cfg.data, default_cache_dir("feature_nets")) if kind == "digits" \
@@ -489,9 +461,7 @@ def metric_names(values: dict[str, Any]) -> list[str]:
 
 
 def noised_input(config: dict[str, Any]) -> ModelInput:
-    """What ``normexp analyze`` feeds a trained DiT (the inputs of DyT Fig. 2's DiT panel): validation images
-    as it trains on them ([-1, 1] pixels, or their VAE latents), noised at uniformly drawn steps, with their
-    labels."""
+    """What ``normexp analyze`` feeds a trained DiT (DyT Fig. 2's DiT panel): noised validation inputs."""
     task = config["task"]
     codec = LatentCodec.load(str(task["vae"]), task["latent_scale"]) if task["vae"] else None
     diffusion = GaussianDiffusion.create(task["diffusion_steps"])

@@ -1,16 +1,7 @@
-"""The latent cache of task=dit (``task.latent_cache=<dir>``): the training images encoded by the VAE once, as
-DiT users do to train fast (e.g. the fast-DiT fork's ``extract_features.py``), so that training reads latents
-instead of running the VAE's encoder on every batch.
-
-Each image is stored as its VAE posterior's parameters (mean and log-variance, float16) -- of the image and,
-when training flips, of its mirror -- so that training still samples the posterior afresh each time and flips
-with ``task.hflip``: DiT's pipeline (flip, encode, ``latent_dist.sample()``) in distribution, without the
-encoder. Shards of ``task.latent_cache_shard`` images are written whole (``shard-<i>.npz``); a killed encoding
-continues from the shards it finished, and the processes of a job share them out. The cache of a data set is
-the folder ``<dir>/<key>``: the key hashes the images (the training split's file list and labels, or the
-digits' settings), their size, the VAE and the flip; ``manifest.json`` there says what it holds, and a cache
-that does not match it is one line.
-"""
+"""The latent cache of task=dit (``task.latent_cache=<dir>``): the training images encoded by the VAE once (as
+the fast-DiT fork's ``extract_features.py``), stored as posterior mean and log-variance (of the mirror too)
+so training still samples the posterior and flips. Shards are written whole and shared out between
+processes; ``<dir>/<key>/manifest.json`` says what a cache holds, and a mismatch is one line."""
 
 from __future__ import annotations
 
@@ -68,8 +59,8 @@ def check_manifest(folder: Path, identity: dict[str, Any]) -> None:
 @torch.no_grad()
 def encode_dataset(dataset: Dataset, codec: LatentCodec, folder: Path, identity: dict[str, Any],
                    shard_size: int, batch_size: int, device: torch.device) -> list[Path]:
-    """Encode ``dataset``'s (image in [-1, 1], label) pairs into shards under ``folder`` (this process's
-    share; finished shards kept); returns every shard's path, in order."""
+    """Encode ``dataset`` into shards under ``folder`` (this process's share); every shard's path, in
+    order."""
     check_manifest(folder, identity)
     world = distributed.info()
     folder.mkdir(parents=True, exist_ok=True)
@@ -113,8 +104,8 @@ def read_shard(path: Path) -> dict[str, np.ndarray] | None:
 
 
 class CachedLatents(Dataset):
-    """(posterior parameters (2C, h, w), label) of the cached images, the mirror's with probability ``hflip``
-    (drawn from the process's RNG, as the image transforms draw)."""
+    """(posterior parameters (2C, h, w), label) of the cached images, the mirror's with probability
+    ``hflip``."""
 
     def __init__(self, paths: list[Path], hflip: float) -> None:
         shards = [read_shard(p) for p in paths]

@@ -1,15 +1,7 @@
 """MAE pre-training (``task=mae``; He et al. 2022, arXiv 2111.06377; facebookresearch/mae
-``main_pretrain.py``, ``engine_pretrain.py``): a normexp ViT learns to reconstruct the patches it does not
-see.
-
-The model is :class:`normexp.models.mae.MaskedAutoencoder` around the configured backbone, built without a
-head; the configured normalizer goes into every norm slot of encoder and decoder. Training views are MAE's:
-RandomResizedCrop (``task.crop_scale``, bicubic) and a horizontal flip (``task.hflip``), no Mixup, no EMA.
-Each evaluation reports the reconstruction loss on the validation images with fixed masks (``val/loss``,
-the best is the lowest) and writes a picture of ``task.images`` validation images -- original, masked,
-reconstruction, reconstruction with the visible patches pasted -- to ``reconstructions/epoch_<n>.png`` in
-the run record (and W&B). A fine-tuning run starts from the encoder (``backbone_weights``).
-"""
+``main_pretrain.py``, ``engine_pretrain.py``) of :class:`normexp.models.mae.MaskedAutoencoder` around the
+configured backbone. Each evaluation reports ``val/loss`` with fixed masks and writes
+``reconstructions/epoch_<n>.png``; fine-tuning starts from the encoder."""
 
 from __future__ import annotations
 
@@ -39,8 +31,7 @@ ENCODER = "encoder."
 
 
 def build_mae(cfg: Any) -> MaskedAutoencoder:
-    """The masked autoencoder of ``cfg``: its backbone as the encoder (no head, the class token read by
-    nothing), ``task.decoder``, the configured normalizer in every slot."""
+    """The masked autoencoder of ``cfg``: its backbone (no head) as the encoder, ``task.decoder``."""
     name, kwargs = backbone_arguments(cfg.backbone)
     kwargs.update(num_classes=0, global_pool="token")  # an encoder: no head, and its final norm
     decoder = cfg.task.decoder
@@ -88,8 +79,8 @@ def encoder_weights(state: dict[str, Any], ema: bool | None) -> tuple[dict[str, 
 
 def reconstruction_grid(model: MaskedAutoencoder, images: torch.Tensor, mask: torch.Tensor,
                         prediction: torch.Tensor, scale: int) -> Image.Image:
-    """Rows of [original | masked | reconstruction | reconstruction with the visible patches], each image
-    shown over its own range and enlarged ``scale`` times (nearest)."""
+    """Rows of [original | masked | reconstruction | reconstruction + visible patches], enlarged
+    ``scale``x."""
     reconstruction = model.reconstruct(images, prediction)
     patch_mask = mask[..., None].expand(-1, -1, model.patch * model.patch * images.shape[1])
     pixel_mask = unpatchify(patch_mask, model.patch, model.grid)
@@ -107,7 +98,7 @@ def reconstruction_grid(model: MaskedAutoencoder, images: torch.Tensor, mask: to
 
 
 class MAETrainer(Trainer):
-    """The common loop with MAE's loss; evaluation: the reconstruction loss with fixed masks, and the
+    """The common loop with MAE's loss; evaluation: the reconstruction loss with fixed masks, and a
     picture."""
 
     minimized = ("loss",)
@@ -119,8 +110,8 @@ class MAETrainer(Trainer):
         self.settings, self.seed = settings, seed
 
     def masks(self, stream: int) -> torch.Generator:
-        """A generator of masking noise of its own (0: the validation loss, 1: the picture, 2: the probe):
-        the same masks every epoch, and no random number drawn from the training streams."""
+        """Masking noise from a generator of its own (0: validation, 1: picture, 2: probe), fixed per
+        epoch."""
         rank = distributed.info().rank
         return torch.Generator().manual_seed((self.seed * 1_000_003 + stream) * 1_009 + rank)
 

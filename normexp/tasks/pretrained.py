@@ -1,14 +1,7 @@
-"""Starting from another run (``task.pretrained``): its backbone weights, as its task finds them in its
-checkpoint (``Task.backbone_weights``: a classifier's reported weights, an MAE encoder, a DINO teacher),
-loaded so that nothing is dropped without a word.
-
-:func:`load_starting_weights` loads every weight of the model from them, except the model's own additions
-(``fresh``: a new classifier head, a detector's pyramid), which keep their initialisation when the starting
-run has none of the same shape; every starting weight is used, except those the model has no place for by
-design (``dropped``: an encoder's final norm under a pooled classifier, whose ``fc_norm`` replaces it, as in
-MAE's fine-tuning). Anything else that does not match is one line; what was left out is returned for the
-run's record.
-"""
+"""Starting from another run (``task.pretrained``): its backbone weights as its task reports them
+(``Task.backbone_weights``), loaded so that nothing is dropped without a word: only the model's own additions
+(``fresh``) keep their initialisation and only weights it has no place for by design (``dropped``, e.g. an
+encoder's final norm under ``fc_norm``, as MAE's fine-tuning) go unused; any other mismatch is one line."""
 
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ HEAD = ("head.", "fc_norm.")  # what a classifier adds to a backbone
 
 
 def starting_weights(source: Any) -> tuple[dict[str, Any], str, str]:
-    """(the backbone's weights, which weights they are, the task of the run) of the run or checkpoint
+    """(the backbone's weights, which weights they are, the run's task) of the run or checkpoint
     ``source``."""
     state = load_checkpoint(source)
     task = backbone_task(state.get("config"), source)
@@ -35,8 +28,7 @@ def starting_weights(source: Any) -> tuple[dict[str, Any], str, str]:
 
 def load_starting_weights(model: nn.Module, weights: dict[str, Any], source: Any, fresh: tuple[str, ...] = (),
                           dropped: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    """Load ``weights`` into ``model`` (see the module docstring); returns ``{"fresh": [...], "dropped":
-    [...]}``, the model's weights that kept their initialisation and the starting weights left unused."""
+    """Load ``weights`` into ``model``; returns ``{"fresh": [...], "dropped": [...]}`` for the record."""
     own = model.state_dict()
     kept = [k for k in own if k.startswith(fresh) and (k not in weights or weights[k].shape != own[k].shape)]
     missing = [k for k in own if k not in weights and k not in kept]
@@ -55,8 +47,8 @@ def load_starting_weights(model: nn.Module, weights: dict[str, Any], source: Any
 
 
 def resized_position_embedding(model: nn.Module, weights: dict[str, Any]) -> dict[str, Any]:
-    """``weights`` with a ViT's ``pos_embed`` resampled (bicubic) to the model's grid when the starting run's
-    grid differs -- what MAE's fine-tuning does with ``interpolate_pos_embed``."""
+    """``weights`` with ``pos_embed`` resampled (bicubic) to the model's grid, as MAE's
+    ``interpolate_pos_embed``."""
     own = getattr(model, "pos_embed", None)
     theirs = weights.get("pos_embed")
     if own is None or theirs is None or theirs.shape == own.shape:

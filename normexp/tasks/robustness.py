@@ -1,14 +1,8 @@
 """Robustness: a classifier's errors on corrupted images (ImageNet-C protocol) -> CE, mCE, relative mCE.
-
-``task=robustness task.checkpoint=<run dir or file>`` evaluates a trained checkpoint; the model is rebuilt
-from that run's stored config (``with_checkpoint_model``, applied before the record is written, so the
-record, run name and W&B tags name the evaluated model). ``task=classification task.robustness.enabled=true``
-evaluates the model it has just trained. Both go through ``evaluate_robustness``.
-
-Normalisation of CE: an explicit ``reference_run`` (e.g. the LN baseline of the same sweep) when given;
-otherwise AlexNet's published errors on ImageNet; otherwise none -- other datasets have no AlexNet
-figures, so only the unnormalised mean corruption error is reported, and the output says so.
-"""
+``task=robustness task.checkpoint=<run>`` evaluates a trained checkpoint (its model rebuilt from that run's
+config before the record is written); ``task=classification task.robustness.enabled=true`` the model just
+trained. CE is normalised by ``reference_run`` when given, else AlexNet's published ImageNet errors, else not
+at all (the output says so)."""
 
 from __future__ import annotations
 
@@ -141,8 +135,7 @@ def check_robustness(cfg: Any) -> None:
 # ---------------------------------------------------------------- evaluation
 def count_correct(model: nn.Module, suite: CorruptionSuite, batch_size: int, num_workers: int,
                   precision: Precision, progress: bool) -> list[tuple[int, int]]:
-    """(top-1 correct, images) per condition of the suite, in one pass of one loader (each process takes
-    its shard of the images; the counts are summed over processes)."""
+    """(top-1 correct, images) per condition of the suite, summed over processes."""
     loader = make_loader(suite, batch_size, train=False, num_workers=num_workers, seed=0,
                          pin_memory=precision.device.type == "cuda")
     counts = count_predictions(model, loader, precision, num_groups=len(suite.conditions), progress=progress,
@@ -212,8 +205,8 @@ def summary_lines(metrics: dict[str, Any], why_not_normalised: str) -> list[str]
 def evaluate_robustness(settings: Any, data_cfg: Any, model: nn.Module, record: RunRecord,
                         precision: Precision, *, progress: bool = False, first_step: int = 1,
                         epoch: int | None = None) -> dict[str, Any]:
-    """Evaluate ``model`` on the configured corruptions; log one row per corruption x severity, print the
-    table, and return the metrics for ``summary["metrics"]["robustness"]``."""
+    """Evaluate ``model`` on the configured corruptions; log and print them, and return the metrics for
+    ``summary["metrics"]["robustness"]``."""
     corruptions, severities = selected_corruptions(settings), selected_severities(settings)
     normaliser, why_not = choose_normaliser(settings, data_cfg, corruptions, severities)  # fail fast
     cache_dir = resolve_cache_dir(settings.cache_dir)
@@ -254,11 +247,8 @@ def resolve_cache_dir(setting: str | None) -> Path | None:
 
 # ---------------------------------------------------------------- the checkpoint's model
 def with_checkpoint_model(cfg: DictConfig) -> DictConfig:
-    """The config with the checkpoint run's backbone and norm in place of the configured ones.
-
-    Data must be the run's dataset at the run's size and classes (the model fixes them); loading and
-    location settings (root, batch sizes, workers) are this run's; other differences are reported.
-    """
+    """The config with the checkpoint run's backbone and norm; data must match the run's dataset, size and
+    classes (other differences are reported)."""
     require_checkpoint(cfg)
     trained = checkpoint_run_config(cfg.task.checkpoint)
     if trained is None:
@@ -288,8 +278,7 @@ def with_checkpoint_model(cfg: DictConfig) -> DictConfig:
 
 def load_trained_model(source: str | Path, backbone_cfg: Any, norm_cfg: Any,
                        ema: bool = False) -> tuple[nn.Module, dict[str, Any]]:
-    """The model of a run directory or checkpoint file, built from ``backbone_cfg`` / ``norm_cfg`` with the
-    checkpoint's weights (its EMA weights with ``ema``), and the checkpoint's state."""
+    """(model, checkpoint state) of a run directory or checkpoint file, its EMA weights with ``ema``."""
     state = load_checkpoint(source)
     weights = state.get("model", state) if isinstance(state, dict) else state
     if ema:

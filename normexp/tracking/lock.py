@@ -1,17 +1,7 @@
-"""Who runs a run: an atomic claim on its directory, so that two processes never train into one.
-
-``RunLock.acquire(run_dir)`` creates ``<run_dir>/run.lock`` with ``O_CREAT | O_EXCL`` (atomic: of two
-processes, one creates it and the other finds it) holding the owner's host, pid, the pid's start time and
-when the claim was made; while the run lives, a thread touches the file every ``HEARTBEAT_S`` seconds.
-Another process that finds the lock asks whether its owner is alive -- on the same host: is there a process
-with that pid and start time; on another host (a shared file system, a SLURM array): is the heartbeat
-younger than ``STALE_AFTER_S``. A live owner means the run is someone else's (:class:`RunBusy`); an owner
-that is gone (kill -9, a lost node) leaves a stale lock, which the next claimant takes over -- under a
-second, short-lived ``O_EXCL`` file, so that two claimants never both take it -- as it takes over a lock
-still empty or unreadable seconds after its creation (its writer died before writing it). ``release()``
-removes the lock when the run ends, however it ends; a killed process leaves it, and readers then see the
-run's ``running`` record as ``interrupted`` (``normexp.tracking.records.effective_status``).
-"""
+"""Who runs a run: an atomic claim on its directory (``run.lock``, ``O_CREAT | O_EXCL``) with the owner's
+host, pid and start time and a heartbeat every ``HEARTBEAT_S`` seconds. A lock whose owner is gone (dead pid
+on this host, heartbeat older than ``STALE_AFTER_S`` elsewhere) is taken over; a live one raises
+:class:`RunBusy`. A killed run's ``running`` record then reads as ``interrupted``."""
 
 from __future__ import annotations
 
@@ -139,7 +129,7 @@ def _exclusive(path: Path, wait_s: float = 10.0) -> Iterator[None]:
 
 
 class RunLock:
-    """This process's claim on a run directory (see the module docstring)."""
+    """This process's claim on a run directory."""
 
     def __init__(self, run_dir: Path, content: dict[str, Any]) -> None:
         self.run_dir, self.path, self.content = run_dir, lock_path(run_dir), content

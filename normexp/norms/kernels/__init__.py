@@ -1,10 +1,6 @@
-"""The fused paths of DyT and DTN, apart from their definitions: each is an autograd Function with a
-hand-written backward whose kernels are plain torch functions, run op by op (``eager``) or compiled by
-``torch.compile`` into a few loops (``compiled``; a C++ compiler on CPU, Triton on CUDA). ``norm.kernels``
-picks the path (``auto`` | ``compiled`` | ``eager`` | ``autograd``: the definition's plain ops, autograd's
-backward); this module decides it per input (:func:`resolve_kernels`) and builds the compiled kernels
-(:class:`Kernels`).
-"""
+"""The fused paths of DyT and DTN: autograd Functions with hand-written backward passes whose kernels run op
+by op (``eager``) or ``torch.compile``-d (``compiled``); ``norm.kernels`` picks the path, resolved per
+input."""
 
 from __future__ import annotations
 
@@ -64,13 +60,8 @@ def _has_compiler(device_type: str) -> bool:
 
 
 def resolve_kernels(mode: str, x: torch.Tensor, kind: Any = None) -> str:
-    """The path a layer in ``mode`` takes for input ``x``: ``compiled``, ``eager`` or ``autograd``.
-
-    Inside an outer ``torch.compile`` it is always ``autograd`` (the compiler fuses the plain ops and
-    derives the backward itself). ``auto`` is ``compiled`` for large inputs where the compiler works, once
-    layers of ``kind`` (a hashable: the layer class and what its kernels specialise on) have run more than
-    ``COMPILE_AFTER_CALLS`` times on this shape, and ``autograd`` otherwise.
-    """
+    """The path for input ``x``: ``autograd`` inside an outer ``torch.compile``; ``auto`` is ``compiled`` for
+    large inputs once layers of ``kind`` ran ``COMPILE_AFTER_CALLS`` times on the shape, else ``autograd``."""
     if torch.compiler.is_compiling():
         return "autograd"
     if mode == "auto":
@@ -83,11 +74,8 @@ def resolve_kernels(mode: str, x: torch.Tensor, kind: Any = None) -> str:
 
 
 class Kernels:
-    """Named kernel functions, and the same functions ``torch.compile``-d (built on first use).
-
-    A compiled kernel that fails to build (no working compiler, say) is reported once; that device then
-    runs the same functions op by op.
-    """
+    """Named kernel functions and their ``torch.compile``-d versions; a build failure is reported once and
+    that device runs them op by op."""
 
     def __init__(self, options: dict[str, Any] | None = None, **functions: Callable[..., Any]) -> None:
         self.eager = SimpleNamespace(**functions)

@@ -1,20 +1,8 @@
-"""DTN's computation (the steps of ``DTN.normalize`` in ``normexp.norms.dtn``) in whole-tensor kernels that
-take tensors and plain numbers, not the layer, and its fused path
-(``norm.kernels=compiled|eager``): steps 0-1 (pre-scaling, LN statistics) and 3-4 (mixing, standardising) are
-two autograd Functions with hand-written backward passes that save their inputs only and recompute the
-rest; their kernels run op by op (``eager``) or compiled by ``torch.compile`` into a few loops
-(``compiled``). ``autograd`` runs the same kernels as plain ops and lets autograd derive the backward (what
-an outer ``torch.compile`` traces), so every path computes the same numbers. :func:`prescale_stats` and
-:func:`mix` take the path by name; the position matmuls between them (step 2) are ``DTN.apply_position``.
-
-How the statistics are laid out: the grid tokens' z and z*z go side by side through the position matmuls,
-laid out (H, h, w, B, d) so that each head's contraction is one large GEMM; with the separable P (a
-Kronecker product of a row and a column softmax, see ``DTN.position_factors``) the two factors are applied
-in turn, and the nearest upsampling of a pooled grid folds into them (a gather of target columns), so
-E_P[z^2] and mu_in arrive at full resolution and var_in = max(E_P[z^2] - mu_in^2, 0) is formed per token.
-Pooling is two small matmuls. Results are written through (H, h, w, B, d) views into preallocated (B, N, C)
-buffers: prefix tokens (LN statistics only) need no cat, and a channels-first map is written in its own
-layout.
+"""DTN's computation (the steps of ``DTN.normalize``) in whole-tensor kernels, and its fused path
+(``norm.kernels=compiled|eager``): steps 0-1 and 3-4 are autograd Functions with hand-written backward passes
+that save their inputs only; ``autograd`` runs the same kernels as plain ops. Statistics are laid out
+(H, h, w, B, d) so that each head's position matmul is one GEMM, and results are written through views into
+preallocated (B, N, C) buffers.
 """
 
 from __future__ import annotations
@@ -36,8 +24,8 @@ from . import RECOMPUTE, Kernels
 
 def _prescale_stats(x: torch.Tensor, heads: int, eps: float, prefix: int, moments_grid: tuple[int, int] | None
                     ) -> tuple[torch.Tensor, ...]:
-    """Steps (0)-(1): x (B, N, C) -> xs (B, N, C) pre-scaled per head, its factors rms (B, N, H, 1),
-    mu_ln, var_ln (B, N) and, for ``moments_grid`` (h, w), the grid tokens' moments :func:`grid_moments`."""
+    """Steps (0)-(1): x (B, N, C) -> xs pre-scaled per head, rms (B, N, H, 1), mu_ln, var_ln (B, N) and, for
+    ``moments_grid``, :func:`grid_moments`."""
     b, n, c = x.shape
     xh = x.view(b, n, heads, c // heads)
     rms = torch.rsqrt(xh.square().mean(-1, keepdim=True) + eps)
@@ -53,15 +41,13 @@ def _prescale_stats(x: torch.Tensor, heads: int, eps: float, prefix: int, moment
 
 
 def grid_moments(z: torch.Tensor) -> torch.Tensor:
-    """Grid tokens (B, h, w, H, d) -> (H, h, w, 2B, d): z and z*z side by side, laid out so that the mean and
-    the second moment share the position matmuls and each head's is one large GEMM."""
+    """Grid tokens (B, h, w, H, d) -> (H, h, w, 2B, d): z and z*z side by side for one GEMM per head."""
     z = z.permute(3, 1, 2, 0, 4)
     return torch.cat((z, z * z), dim=3)
 
 
 def _moments_backward(g_grid: torch.Tensor, g_moments: torch.Tensor, z: torch.Tensor) -> None:
-    """Adds the gradient through :func:`grid_moments` to g_grid: dL/dz += dL/dmean + 2 z dL/dsecond.
-    g_grid, z: (H, h, w, B, d) views; g_moments: (H, h, w, 2B, d)."""
+    """Adds the gradient through :func:`grid_moments` to g_grid: dL/dz += dL/dmean + 2 z dL/dsecond."""
     b = z.shape[3]
     g_grid.copy_(g_grid + g_moments[:, :, :, :b] + 2 * z * g_moments[:, :, :, b:])
 
@@ -89,9 +75,8 @@ def _head_major(t: torch.Tensor, prefix: int, grid: tuple[int, int], heads: int)
 def _mix_terms(xs: torch.Tensor, stats: torch.Tensor, mu_ln: torch.Tensor, var_ln: torch.Tensor,
                lam_mu: torch.Tensor | None, lam_var: torch.Tensor, eps: float, prefix: int, from_moments: bool
                ) -> tuple[torch.Tensor, ...]:
-    """Per-element terms of steps (3)-(4) on the grid tokens, in the (H, h, w, B, d) order of the position
-    matmuls (the statistics are read in their own layout, xs and the outputs through views):
-    (y = (x - mu) rstd, rstd, var_in, E_P[z^2] - mu_in^2 or None, mu_in, mu_ln, var_ln)."""
+    """Per-element terms of steps (3)-(4) on the grid tokens, in (H, h, w, B, d) order:
+    (y, rstd, var_in, E_P[z^2] - mu_in^2 or None, mu_in, mu_ln, var_ln)."""
     heads = lam_var.shape[0]
     grid = (stats.shape[2], stats.shape[3])
     mu_in, sec = stats[0].permute(3, 1, 2, 0, 4), stats[1].permute(3, 1, 2, 0, 4)
@@ -108,11 +93,8 @@ def _mix_terms(xs: torch.Tensor, stats: torch.Tensor, mu_ln: torch.Tensor, var_l
 def _mix(out_grid: torch.Tensor, xs: torch.Tensor, stats: torch.Tensor, mu_ln: torch.Tensor,
          var_ln: torch.Tensor, lam_mu: torch.Tensor | None, lam_var: torch.Tensor, weight: torch.Tensor,
          bias: torch.Tensor, eps: float, prefix: int, from_moments: bool) -> None:
-    """Steps (3)-(4) on the grid tokens, written into out_grid (the (H, h, w, B, d) view of the output).
-
-    They mix ``stats`` (2, B, h, w, H, d) -- mu_in and E_P[z^2] (``from_moments``) or var_in -- with the LN
-    statistics mu_ln, var_ln (B, N) per head (prefix tokens: :func:`ln_prefix`).
-    """
+    """Steps (3)-(4) on the grid tokens, written into out_grid; ``stats`` (2, B, h, w, H, d) is mu_in and
+    E_P[z^2] (``from_moments``) or var_in."""
     heads = lam_var.shape[0]
     y = _mix_terms(xs, stats, mu_ln, var_ln, lam_mu, lam_var, eps, prefix, from_moments)[0]
     out_grid.copy_(y * weight.view(heads, 1, 1, 1, -1) + bias.view(heads, 1, 1, 1, -1))
@@ -127,15 +109,8 @@ def _mix_backward(g_grid: torch.Tensor, gy: torch.Tensor, xs: torch.Tensor, stat
                   mu_ln: torch.Tensor, var_ln: torch.Tensor, lam_mu: torch.Tensor | None,
                   lam_var: torch.Tensor, weight: torch.Tensor, eps: float, prefix: int,
                   from_moments: bool) -> tuple[torch.Tensor, ...]:
-    """The per-element part of the backward of :func:`_mix` on the grid tokens, in one pass.
-
-    With y = (x - mu) rstd, rstd = (var + eps)^-1/2 and G = dL/dy: dL/dx = G rstd = -dL/dmu and
-    dL/dvar = -G y rstd / 2, where mu and var are per-head lerps of the inter-token and LN statistics.
-    Writes dL/dx into g_grid (an (H, h, w, B, d) view) and returns (dL/dstats (H, h, w, 2, B, d),
-    dL/dout * y summed over the batch (H, h, w, d) for the weight gradient, and sums over each head's
-    channels (4, H, h, w, B) of dL/dvar, dL/dvar * var_in, dL/dx and dL/dx * mu_in (zeros without a mean
-    mix), from which the caller forms the rest).
-    """
+    """The per-element backward of :func:`_mix` in one pass: writes dL/dx into g_grid and returns
+    (dL/dstats, the weight gradient's sum, per-head channel sums the caller needs)."""
     heads = lam_var.shape[0]
     grid = (stats.shape[2], stats.shape[3])
     y, rstd, var_in, var_raw, mu_in, _, _ = _mix_terms(xs, stats, mu_ln, var_ln, lam_mu, lam_var, eps, prefix,
@@ -248,8 +223,7 @@ class _Mix(torch.autograd.Function):
 
 
 def _output_buffer(xs: torch.Tensor, map_size: tuple[int, int] | None) -> torch.Tensor:
-    """An empty (B, N, C) output; for a channels-first map of ``map_size`` a view of a (B, C, H, W) buffer,
-    so the result needs no layout copy."""
+    """An empty (B, N, C) output; for a channels-first map, a view of a (B, C, H, W) buffer."""
     if map_size is None:
         return torch.empty_like(xs)
     b, n, c = xs.shape
@@ -257,8 +231,8 @@ def _output_buffer(xs: torch.Tensor, map_size: tuple[int, int] | None) -> torch.
 
 
 def pool_grid(z: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """Adaptive average pooling of grid tokens (B, h, w, C) to (B, *size, C), as two small matmuls (the same
-    bins and weights as ``F.adaptive_avg_pool2d``; their backward is two GEMMs, not a scatter)."""
+    """Adaptive average pooling of (B, h, w, C) grid tokens as two small matmuls
+    (``adaptive_avg_pool2d``'s)."""
     b, h, w, c = z.shape
     ay, ax = (_pool_matrix(n, m, z.dtype, z.device) for n, m in ((h, size[0]), (w, size[1])))
     z = torch.matmul(ay, z.reshape(b, h, w * c)).view(b * size[0], w, c)
@@ -280,8 +254,7 @@ def nearest_index(m: int, n: int, device: torch.device) -> torch.Tensor:
 
 def prescale_stats(x: torch.Tensor, heads: int, eps: float, prefix: int,
                    moments_grid: tuple[int, int] | None, mode: str) -> tuple[torch.Tensor, ...]:
-    """Steps (0)-(1) on the path ``mode`` (``autograd``: plain ops; ``eager`` | ``compiled``: the fused
-    Function): x (B, N, C) -> (xs, mu_ln, var_ln) and, for ``moments_grid``, the grid tokens' moments."""
+    """Steps (0)-(1) on the path ``mode`` (autograd | eager | compiled): (xs, mu_ln, var_ln[, moments])."""
     if mode == "autograd":
         xs, _, mu_ln, var_ln, moments = _prescale_stats(x, heads, eps, prefix, moments_grid)
         return (xs, mu_ln, var_ln) if moments is None else (xs, mu_ln, var_ln, moments)
@@ -292,9 +265,7 @@ def mix(xs: torch.Tensor, stats: torch.Tensor, mu_ln: torch.Tensor, var_ln: torc
         lam_mu: torch.Tensor | None, lam_var: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         eps: float, prefix: int, from_moments: bool, map_size: tuple[int, int] | None, mode: str
         ) -> torch.Tensor:
-    """Steps (3)-(4) on the path ``mode``: the (B, N, C) output (a view of a (B, C, H, W) map for
-    ``map_size``) from the pre-scaled xs, the inter-token ``stats`` (2, B, h, w, H, d) and the LN statistics
-    (prefix tokens: LN statistics only)."""
+    """Steps (3)-(4) on the path ``mode``: the (B, N, C) output (a view of a map for ``map_size``)."""
     args = (xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight, bias, eps, prefix, from_moments)
     if mode != "autograd":
         return _Mix.apply(*args, map_size, _KERNELS.get(mode))
