@@ -9,7 +9,7 @@ on a normalizer class, ``@register_model`` on a backbone constructor). Two ways 
 - an installed package's entry point in the group ``normexp.plugins`` (``[project.entry-points.
   "normexp.plugins"] mynorms = "mypackage.mynorms"``): imported in every run.
 
-:func:`load_plugins` imports them; ``normexp.config.validate`` calls it first, so every process that
+:func:`load_plugins` imports them; ``normexp.preflight.validate`` calls it first, so every process that
 validates a config -- which is every process that builds a model (the command line, each job a table or a
 sweep launches, every torchrun worker, every submitit job) -- has them before a name is looked up. Importing
 is idempotent: a module is imported once per process. The yaml of a plugin's norm, backbone or table is

@@ -9,8 +9,8 @@ import torch
 from conftest import CONFIG_DIR, compose_cfg, run_cli
 from omegaconf import OmegaConf
 
-from normexp.config import validate
 from normexp.models import build_backbone
+from normexp.preflight import validate
 
 GROUPS = ("backbone", "norm", "task", "data", "logger", "trainer", "experiment", "launcher")
 
@@ -213,8 +213,8 @@ def test_t2t_data_as_its_code_resolves_it():
 
 
 def test_loop_settings_that_contradict_each_other_are_one_line():
-    from normexp.config import validate
     from normexp.errors import UserError
+    from normexp.preflight import validate
 
     for overrides, message in [(["trainer.ema.reported=true"], "needs trainer.ema.enabled=true"),
                                (["trainer.sched_on=epoch", "trainer.warmup_iters=10"], "sched_on=update"),
