@@ -171,68 +171,69 @@ class TrainerSchema:
 
 @dataclass
 class LoaderFields:
-    """What every dataset's config has."""
+    """What every dataset's config has. A dataset's values have one source, its yaml
+    (configs/data/<name>.yaml, where each is documented): its schema gives each key a type and checks only."""
 
-    name: str = "???"
-    img_size: int = checked_field(16, **rng(1))
-    num_classes: int = checked_field(10, **rng(1))
-    batch_size: int = checked_field(64, **rng(1))
-    eval_batch_size: int = checked_field(256, **rng(1))
-    num_workers: int = checked_field(0, **rng(0))
+    name: str
+    img_size: int = _check(**rng(1))
+    num_classes: int = _check(**rng(1))
+    batch_size: int = _check(**rng(1))
+    eval_batch_size: int = _check(**rng(1))
+    num_workers: int = _check(**rng(0))
 
 
 @dataclass
 class DigitsSchema(LoaderFields):
-    val_fraction: float = checked_field(0.2, above=0, max=0.9)
-    split_seed: int = 0
-    imagenet_c_root: str | None = None
+    val_fraction: float = _check(above=0, max=0.9)
+    split_seed: int
+    imagenet_c_root: str | None
 
 
 @dataclass
 class ImageNetSchema(LoaderFields):
-    root: str | None = None
-    imagenet_c_root: str | None = None
-    train_split: str = "train"
-    val_split: str = "val"
-    pin_memory: bool = True
-    auto_augment: str | None = None
-    color_jitter: float | None = checked_field(0.3, **rng(0))
-    interpolation: str = "bicubic"
-    train_interpolation: str | None = None
-    reprob: float = checked_field(0.25, **rng(0, 1))
-    remode: str = checked_field("pixel", choices=["pixel", "rand", "const"])
-    recount: int = checked_field(1, **rng(1))
-    crop_pct: float = checked_field(0.875, above=0, max=1)
-    mean: list[float] = checked_field([0.485, 0.456, 0.406], length=3)
-    std: list[float] = checked_field([0.229, 0.224, 0.225], length=3, items=rng(above=0))
-    aug_repeats: int = checked_field(0, **rng(0))
-    on_bad_image: str = checked_field("skip", choices=["skip", "fail"])
+    root: str | None
+    imagenet_c_root: str | None
+    train_split: str
+    val_split: str
+    pin_memory: bool
+    auto_augment: str | None
+    color_jitter: float | None = _check(**rng(0))
+    interpolation: str
+    train_interpolation: str | None
+    reprob: float = _check(**rng(0, 1))
+    remode: str = _check(choices=["pixel", "rand", "const"])
+    recount: int = _check(**rng(1))
+    crop_pct: float = _check(above=0, max=1)
+    mean: list[float] = _check(length=3)
+    std: list[float] = _check(length=3, items=rng(above=0))
+    aug_repeats: int = _check(**rng(0))
+    on_bad_image: str = _check(choices=["skip", "fail"])
 
 
 @dataclass
 class CocoSchema(LoaderFields):
-    root: str | None = None
-    train_split: str = "train2017"
-    val_split: str = "val2017"
-    min_size: Any = 800  # shorter side; a list: one drawn per training image (multi-scale)
-    max_size: int = checked_field(1333, **rng(1))
-    mean: list[float] = checked_field([0.485, 0.456, 0.406], length=3)
-    std: list[float] = checked_field([0.229, 0.224, 0.225], length=3, items=rng(above=0))
-    hflip: float = checked_field(0.5, **rng(0, 1))
-    filter_empty_gt: bool = True
-    min_image_size: int = checked_field(32, **rng(0))
-    on_bad_image: str = checked_field("skip", choices=["skip", "fail"])
+    root: str | None
+    train_split: str
+    val_split: str
+    min_size: Any  # shorter side; a list: one drawn per training image (multi-scale)
+    max_size: int = _check(**rng(1))
+    mean: list[float] = _check(length=3)
+    std: list[float] = _check(length=3, items=rng(above=0))
+    hflip: float = _check(**rng(0, 1))
+    filter_empty_gt: bool
+    min_image_size: int = _check(**rng(0))
+    on_bad_image: str = _check(choices=["skip", "fail"])
 
 
 @dataclass
 class CocoDigitsSchema(CocoSchema):
-    canvas_size: int = checked_field(96, **rng(32))
-    num_train: int = checked_field(1000, **rng(1))
-    num_val: int = checked_field(200, **rng(1))
-    digits_per_image: list[int] = checked_field([2, 4], length=2, items=rng(1))
-    digit_size: list[int] = checked_field([12, 28], length=2, items=rng(1))
-    max_overlap: float = checked_field(0.3, **rng(0, 1))
-    generator_seed: int = 0
+    canvas_size: int = _check(**rng(32))
+    num_train: int = _check(**rng(1))
+    num_val: int = _check(**rng(1))
+    digits_per_image: list[int] = _check(length=2, items=rng(1))
+    digit_size: list[int] = _check(length=2, items=rng(1))
+    max_overlap: float = _check(**rng(0, 1))
+    generator_seed: int
 
 
 DATA_SCHEMAS: dict[str, type] = {"digits": DigitsSchema, "imagenet": ImageNetSchema, "coco": CocoSchema,
@@ -273,8 +274,9 @@ def _omegaconf_type(annotation: Any) -> Any:
 
 
 def norm_schema(name: str) -> type | None:
-    """The schema of ``norm=<name>``: its options from the normalizer's constructor, plus ``placement`` and
-    ``model_defaults`` (what it suggests to the models it goes into, read by their configs)."""
+    """The schema of ``norm=<name>``: its options' types and checks from the normalizer's constructor (their
+    values from its yaml), plus ``placement`` and ``model_defaults`` (what it suggests to the models it goes
+    into, read by their configs)."""
     from .norms.registry import hyperparameters
 
     options = hyperparameters(name)
@@ -284,8 +286,7 @@ def norm_schema(name: str) -> type | None:
         ("name", str, field(default="???")),
         ("placement", PlacementSchema, field(default_factory=PlacementSchema)),
         ("model_defaults", dict[str, Any], field(default_factory=dict)),
-        *[(o.name, _omegaconf_type(o.type), field(default=None if o.default is MISSING else o.default,
-                                                  metadata=o.checks)) for o in options]])
+        *[(o.name, _omegaconf_type(o.type), field(metadata=o.checks, kw_only=True)) for o in options]])
 
 
 # ---------------------------------------------------------------- checking values against a schema
@@ -326,7 +327,7 @@ def _check_fields(schema: type, values: DictConfig, where: str) -> None:
         nested = f.default_factory if f.default_factory is not MISSING else None
         if isinstance(nested, type) and is_dataclass(nested):
             _check_fields(nested, values[f.name], key)
-        else:
+        elif not OmegaConf.is_missing(values, f.name):  # a key its yaml does not state: nothing to check
             value = values[f.name]
             plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
             check_value(key, plain, dict(f.metadata))
