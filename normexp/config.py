@@ -1,22 +1,7 @@
-"""The schema of a run's config, and the one validation pass every config goes through before any work.
-
-``validate(cfg)`` checks, before any model, data or file is built:
-
-1. every interpolation resolves; then the plugins are imported (``normexp.plugins``: the installed
-   packages' and the config's ``plugins``), so that a user's normalizers and backbones are registered in
-   every process that validates -- every process that builds a model -- before any name is looked up;
-2. every value fits the schema -- the dataclasses below (the top level, the trainer, each dataset) and each
-   normalizer's options, derived from its constructor (``normexp.norms.registry.hyperparameters``): types,
-   ranges, choices; unknown keys are refused; every float is finite and every integer fits in 64 bits;
-3. values that depend on one another: the task and its data, the metric ``trainer.best_metric`` ranks by,
-   the optimizer, the global batch, Mixup's pairs, the backbone's input size;
-4. with ``environment=True``, what this machine must provide: the data at ``data.root`` (layout, class
-   count), the device, the task's own inputs (a reference run).
-
-``normexp.run`` then builds the model on the meta device (``normexp.models.build.check_buildable``): what
-only the model knows (a group count that must divide every width) is refused there, still before anything
-is written. Any problem is one :class:`UserError` line naming the key, the bad value and what is allowed:
-exit code 2, no traceback.
+"""The schema of a run's config: the dataclasses (the top level, the trainer, each dataset), each
+normalizer's options derived from its constructor (:func:`norm_schema`), and the checks of one value against
+its field (:func:`fit_schema`). It reads no task, engine, data or tracking code: the checks that need them
+(values that depend on one another, what the machine must provide) are ``normexp.preflight``'s.
 
 The ``backbone`` and ``task`` groups are open here (their keys are the model's constructor arguments and
 the task's settings); their builders refuse what they cannot use. ``data`` has one schema per dataset.
@@ -28,7 +13,7 @@ import copy
 import difflib
 import math
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass, make_dataclass
 from typing import Any
 
@@ -37,7 +22,6 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from . import CONFIG_DIR
 from .errors import UserError
-from .plugins import load_plugins
 
 INT64_MAX = 2**63 - 1
 
@@ -187,68 +171,69 @@ class TrainerSchema:
 
 @dataclass
 class LoaderFields:
-    """What every dataset's config has."""
+    """What every dataset's config has. A dataset's values have one source, its yaml
+    (configs/data/<name>.yaml, where each is documented): its schema gives each key a type and checks only."""
 
-    name: str = "???"
-    img_size: int = checked_field(16, **rng(1))
-    num_classes: int = checked_field(10, **rng(1))
-    batch_size: int = checked_field(64, **rng(1))
-    eval_batch_size: int = checked_field(256, **rng(1))
-    num_workers: int = checked_field(0, **rng(0))
+    name: str
+    img_size: int = _check(**rng(1))
+    num_classes: int = _check(**rng(1))
+    batch_size: int = _check(**rng(1))
+    eval_batch_size: int = _check(**rng(1))
+    num_workers: int = _check(**rng(0))
 
 
 @dataclass
 class DigitsSchema(LoaderFields):
-    val_fraction: float = checked_field(0.2, above=0, max=0.9)
-    split_seed: int = 0
-    imagenet_c_root: str | None = None
+    val_fraction: float = _check(above=0, max=0.9)
+    split_seed: int
+    imagenet_c_root: str | None
 
 
 @dataclass
 class ImageNetSchema(LoaderFields):
-    root: str | None = None
-    imagenet_c_root: str | None = None
-    train_split: str = "train"
-    val_split: str = "val"
-    pin_memory: bool = True
-    auto_augment: str | None = None
-    color_jitter: float | None = checked_field(0.3, **rng(0))
-    interpolation: str = "bicubic"
-    train_interpolation: str | None = None
-    reprob: float = checked_field(0.25, **rng(0, 1))
-    remode: str = checked_field("pixel", choices=["pixel", "rand", "const"])
-    recount: int = checked_field(1, **rng(1))
-    crop_pct: float = checked_field(0.875, above=0, max=1)
-    mean: list[float] = checked_field([0.485, 0.456, 0.406], length=3)
-    std: list[float] = checked_field([0.229, 0.224, 0.225], length=3, items=rng(above=0))
-    aug_repeats: int = checked_field(0, **rng(0))
-    on_bad_image: str = checked_field("skip", choices=["skip", "fail"])
+    root: str | None
+    imagenet_c_root: str | None
+    train_split: str
+    val_split: str
+    pin_memory: bool
+    auto_augment: str | None
+    color_jitter: float | None = _check(**rng(0))
+    interpolation: str
+    train_interpolation: str | None
+    reprob: float = _check(**rng(0, 1))
+    remode: str = _check(choices=["pixel", "rand", "const"])
+    recount: int = _check(**rng(1))
+    crop_pct: float = _check(above=0, max=1)
+    mean: list[float] = _check(length=3)
+    std: list[float] = _check(length=3, items=rng(above=0))
+    aug_repeats: int = _check(**rng(0))
+    on_bad_image: str = _check(choices=["skip", "fail"])
 
 
 @dataclass
 class CocoSchema(LoaderFields):
-    root: str | None = None
-    train_split: str = "train2017"
-    val_split: str = "val2017"
-    min_size: Any = 800  # shorter side; a list: one drawn per training image (multi-scale)
-    max_size: int = checked_field(1333, **rng(1))
-    mean: list[float] = checked_field([0.485, 0.456, 0.406], length=3)
-    std: list[float] = checked_field([0.229, 0.224, 0.225], length=3, items=rng(above=0))
-    hflip: float = checked_field(0.5, **rng(0, 1))
-    filter_empty_gt: bool = True
-    min_image_size: int = checked_field(32, **rng(0))
-    on_bad_image: str = checked_field("skip", choices=["skip", "fail"])
+    root: str | None
+    train_split: str
+    val_split: str
+    min_size: Any  # shorter side; a list: one drawn per training image (multi-scale)
+    max_size: int = _check(**rng(1))
+    mean: list[float] = _check(length=3)
+    std: list[float] = _check(length=3, items=rng(above=0))
+    hflip: float = _check(**rng(0, 1))
+    filter_empty_gt: bool
+    min_image_size: int = _check(**rng(0))
+    on_bad_image: str = _check(choices=["skip", "fail"])
 
 
 @dataclass
 class CocoDigitsSchema(CocoSchema):
-    canvas_size: int = checked_field(96, **rng(32))
-    num_train: int = checked_field(1000, **rng(1))
-    num_val: int = checked_field(200, **rng(1))
-    digits_per_image: list[int] = checked_field([2, 4], length=2, items=rng(1))
-    digit_size: list[int] = checked_field([12, 28], length=2, items=rng(1))
-    max_overlap: float = checked_field(0.3, **rng(0, 1))
-    generator_seed: int = 0
+    canvas_size: int = _check(**rng(32))
+    num_train: int = _check(**rng(1))
+    num_val: int = _check(**rng(1))
+    digits_per_image: list[int] = _check(length=2, items=rng(1))
+    digit_size: list[int] = _check(length=2, items=rng(1))
+    max_overlap: float = _check(**rng(0, 1))
+    generator_seed: int
 
 
 DATA_SCHEMAS: dict[str, type] = {"digits": DigitsSchema, "imagenet": ImageNetSchema, "coco": CocoSchema,
@@ -290,8 +275,9 @@ def _omegaconf_type(annotation: Any) -> Any:
 
 
 def norm_schema(name: str) -> type | None:
-    """The schema of ``norm=<name>``: its options from the normalizer's constructor, plus ``placement`` and
-    ``model_defaults`` (what it suggests to the models it goes into, read by their configs)."""
+    """The schema of ``norm=<name>``: its options' types and checks from the normalizer's constructor (their
+    values from its yaml), plus ``placement`` and ``model_defaults`` (what it suggests to the models it goes
+    into, read by their configs)."""
     from .norms.registry import hyperparameters
 
     options = hyperparameters(name)
@@ -301,8 +287,7 @@ def norm_schema(name: str) -> type | None:
         ("name", str, field(default="???")),
         ("placement", PlacementSchema, field(default_factory=PlacementSchema)),
         ("model_defaults", dict[str, Any], field(default_factory=dict)),
-        *[(o.name, _omegaconf_type(o.type), field(default=None if o.default is MISSING else o.default,
-                                                  metadata=o.checks)) for o in options]])
+        *[(o.name, _omegaconf_type(o.type), field(metadata=o.checks, kw_only=True)) for o in options]])
 
 
 # ---------------------------------------------------------------- checking values against a schema
@@ -343,20 +328,20 @@ def _check_fields(schema: type, values: DictConfig, where: str) -> None:
         nested = f.default_factory if f.default_factory is not MISSING else None
         if isinstance(nested, type) and is_dataclass(nested):
             _check_fields(nested, values[f.name], key)
-        else:
+        elif not OmegaConf.is_missing(values, f.name):  # a key its yaml does not state: nothing to check
             value = values[f.name]
             plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
             check_value(key, plain, dict(f.metadata))
 
 
-def _check_numbers(tree: Any, where: str) -> None:
+def check_numbers(tree: Any, where: str) -> None:
     """Every number anywhere (the open groups too): finite, and within 64 bits."""
     if isinstance(tree, dict):
         for k, v in tree.items():
-            _check_numbers(v, f"{where}.{k}" if where else str(k))
+            check_numbers(v, f"{where}.{k}" if where else str(k))
     elif isinstance(tree, list):
         for i, v in enumerate(tree):
-            _check_numbers(v, f"{where}[{i}]")
+            check_numbers(v, f"{where}[{i}]")
     else:
         check_value(where, tree, {})
 
@@ -407,154 +392,3 @@ def fit_schema(schema: type, values: Any, where: str) -> DictConfig:
     merged = _merge(schema, values, where)
     _check_fields(schema, merged, where)
     return merged
-
-
-# ---------------------------------------------------------------- values that depend on one another
-def _get(tree: dict[str, Any], path: str) -> Any:
-    for part in path.split("."):
-        if not isinstance(tree, dict) or part not in tree:
-            return None
-        tree = tree[part]
-    return tree
-
-
-def _trainer(values: dict[str, Any]) -> Iterator[str]:
-    t = values["trainer"]
-    if t["ema"]["reported"] and not t["ema"]["enabled"]:
-        yield "trainer.ema.reported=true needs trainer.ema.enabled=true (the reported weights are the EMA's)"
-    if t["sched_on"] == "epoch" and t["warmup_iters"]:
-        yield (f"trainer.warmup_iters={t['warmup_iters']} needs trainer.sched_on=update (with sched_on=epoch "
-               "the lr changes once per epoch: use trainer.warmup_epochs)")
-    warmup = t["warmup_epochs"] if t["warmup_prefix"] else 0
-    if t["epochs"] - t["cooldown_epochs"] - warmup <= 0:
-        yield (f"trainer.epochs={t['epochs']} leaves no epochs for the schedule after "
-               f"cooldown_epochs={t['cooldown_epochs']}"
-               + (f" and the warm-up prefix ({t['warmup_epochs']} epochs)" if t["warmup_prefix"] else ""))
-
-
-def _task_and_data(values: dict[str, Any]) -> Iterator[str]:
-    from .tasks import TASKS, get_task
-
-    task, data = get_task(values["task"]["name"]), values["data"].get("name")
-    if task.data and data not in task.data:
-        yield (f"task={values['task']['name']} reads {' or '.join(f'data={d}' for d in task.data)}, "
-               f"not data={data}")
-    kind = values["backbone"].get("kind", "image")
-    if kind != task.backbone_kind:
-        serving = sorted(name for name, t in TASKS.items() if t.backbone_kind == kind)
-        yield (f"backbone={values['backbone'].get('name')} is a model of kind '{kind}'"
-               f"{' (for task=' + ', '.join(serving) + ')' if serving else ''}; task={task.name} builds one "
-               f"of kind '{task.backbone_kind}'")
-    metrics = task.metrics(values) if task.metrics else None
-    best = values["trainer"]["best_metric"]
-    if metrics is not None and best not in metrics:
-        close = difflib.get_close_matches(best, metrics, n=1)
-        yield (f"trainer.best_metric={best}: {'did you mean ' + close[0] + '? ' if close else ''}"
-               f"task={values['task']['name']} reports {', '.join(metrics)}")
-
-
-def _batches(values: dict[str, Any]) -> Iterator[str]:
-    from .distributed import DistInfo, launcher_env
-    from .engine.batches import accumulation_steps
-
-    trainer, batch = values["trainer"], values["data"]["batch_size"]
-    mixup = trainer["mixup"]
-    if (mixup["mixup_alpha"] > 0 or mixup["cutmix_alpha"] > 0) and batch % 2:
-        yield (f"data.batch_size={batch}: Mixup / CutMix (trainer.mixup) mix each batch with itself reversed "
-               f"and need an even batch per process: use data.batch_size={batch + 1} or {batch - 1}")
-    world = (launcher_env() or DistInfo()).world_size  # DistInfo(): one process
-    try:
-        accumulation_steps(trainer["global_batch"], batch, world, trainer["accum_steps"])
-    except UserError as e:
-        yield str(e)
-
-
-def _input_size(values: dict[str, Any]) -> Iterator[str]:
-    backbone, data = values["backbone"], values["data"]
-    img, patch = backbone.get("img_size"), backbone.get("patch_size")
-    if isinstance(img, int) and isinstance(patch, int) and patch > 0 and img % patch:
-        yield (f"backbone.img_size={img} is not a multiple of backbone.patch_size={patch}: use an image size "
-               f"of {img // patch * patch or patch} or {(img // patch + 1) * patch} (data.img_size; the "
-               "backbone's follows it)")
-    from .tasks import get_task
-
-    dense = get_task(values["task"]["name"]).dense  # any input size: detectors resize, dense models adapt
-    fixed = not dense and not backbone.get("dynamic_img_size")
-    if fixed and isinstance(img, int) and img != data.get("img_size"):
-        yield (f"backbone.img_size={img} but the images are data.img_size={data.get('img_size')} px: set "
-               "data.img_size (the backbone's follows it), not backbone.img_size")
-
-
-def _loggers(values: dict[str, Any]) -> Iterator[str]:
-    from .tracking import LOGGER_CLASSES
-
-    unknown = sorted(set(values.get("logger") or {}) - set(LOGGER_CLASSES))
-    if unknown:
-        yield f"unknown logger(s) {unknown}; use logger=wandb, mlflow, none or a list of them"
-
-
-CROSS_CHECKS: tuple[Callable[[dict[str, Any]], Iterator[str]], ...] = (_trainer, _task_and_data, _batches,
-                                                                       _input_size, _loggers)
-
-
-# ---------------------------------------------------------------- what the machine must provide
-def _device_available(cfg: DictConfig) -> None:
-    import torch
-
-    device = cfg.trainer.device
-    if not str(device).startswith("cuda"):
-        return
-    if not torch.cuda.is_available():
-        raise UserError(f"trainer.device={device} but CUDA is not available; use trainer.device=cpu or auto")
-    index = torch.device(device).index
-    if index is not None and index >= torch.cuda.device_count():
-        raise UserError(f"trainer.device={device}: this machine has {torch.cuda.device_count()} CUDA "
-                        "device(s)")
-
-
-def check_environment(cfg: DictConfig) -> None:
-    """The data at its root, the device, the task's own inputs."""
-    from .data import check_data
-    from .tasks import get_task
-
-    check_data(cfg.data)
-    _device_available(cfg)
-    task = get_task(cfg.task.name)
-    if task.check is not None:
-        task.check(cfg)
-
-
-# ---------------------------------------------------------------- the one pass
-def resolve(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config as plain containers; an interpolation that does not resolve is one line."""
-    try:
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", "") or ""
-        first = str(e).strip().splitlines()[0]
-        raise UserError(f"config key {key} cannot be resolved: {first}") from None
-
-
-def validate(cfg: DictConfig, environment: bool = True) -> None:
-    """Refuse a config that does not fit the schema, in one line naming the key and what is allowed.
-
-    ``environment=False``: the config alone (e.g. when planning a table on a machine without its data)."""
-    values = resolve(cfg)
-    _check_numbers(values, "")
-    fit_schema(RunSchema, values, "")
-    load_plugins(values["plugins"])  # a user's normalizers and backbones, before any name is looked up
-    data_schema = DATA_SCHEMAS.get(values["data"].get("name"))
-    if data_schema is not None:
-        fit_schema(data_schema, values["data"], "data")
-    norm = values["norm"]
-    try:
-        schema = norm_schema(norm.get("name"))
-    except ValueError as e:  # an unknown normalizer
-        raise UserError(f"norm.name={norm.get('name')}: {e}") from None
-    if schema is not None:
-        fit_schema(schema, norm, "norm")
-    for check in CROSS_CHECKS:
-        for problem in check(values):
-            raise UserError(problem)
-    if environment:
-        check_environment(cfg)

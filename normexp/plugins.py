@@ -1,6 +1,6 @@
 """A user's own normalizers and backbone families, with no edit of normexp (docs/extending.md): modules that
 register on import, named by the config's ``plugins`` (a module name or a ``.py`` path) or by an installed
-package's ``normexp.plugins`` entry point. ``normexp.config.validate`` loads them first, so every process
+package's ``normexp.plugins`` entry point. ``normexp.preflight.validate`` loads them first, so every process
 that builds a model has them; their yamls are found on Hydra's search path."""
 
 from __future__ import annotations

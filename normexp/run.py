@@ -21,10 +21,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from . import distributed
-from .config import resolve, validate
 from .engine.checkpoint import checkpoint_file, load_checkpoint
 from .errors import Diverged, Interrupted, UserError, one_line, storage_error
 from .models import check_buildable
+from .preflight import resolve, validate
 from .tasks import get_task
 from .tracking import LOGGER_CLASSES
 from .tracking.lock import RunLock

@@ -9,8 +9,8 @@ import torch
 from conftest import CONFIG_DIR, compose_cfg, run_cli
 from omegaconf import OmegaConf
 
-from normexp.config import validate
 from normexp.models import build_backbone
+from normexp.preflight import validate
 
 GROUPS = ("backbone", "norm", "task", "data", "logger", "trainer", "experiment", "launcher")
 
@@ -55,40 +55,77 @@ def test_every_shipped_option_composes_resolves_and_fits_the_schema(group):
         validate(cfg, environment=False)
 
 
-def test_deit_recipe_values():
-    cfg = compose_cfg("experiment=deit_imagenet")
+# What each recipe's source pins, each value once (the recipe's yaml cites the same source line by line):
+# global batch (gb), repeated augmentation (rep), how the lr is stepped (sched_on, sched_lag, warmup_prefix),
+# cool-down and total epochs, whether the reported top-1 is the EMA model's (ema), precision (amp), gradient
+# clipping (clip), whether warm-up and minimum lr scale with the batch like the peak (lr_min); None: unpinned.
+LOOP = ("gb", "rep", "sched_on", "sched_lag", "warmup_prefix", "cooldown", "epochs", "ema", "amp", "clip",
+        "lr_min")
+RECIPES = {
+    # facebookresearch/deit main.py: step(epoch) after each epoch; evaluate(model); AMP autocast
+    "deit_imagenet": (1024, 3, "epoch", 1, False, 0, 300, False, "bf16", None, False),
+    # wqshao126/DTN train.py (timm's): step(epoch + 1); validates model_ema; amp off in its configs
+    "dtn_imagenet": (1024, 3, "epoch", 0, False, 0, 300, True, None, None, False),
+    "dtn_pvt_imagenet": (1024, 3, "epoch", 0, False, 0, 300, True, None, None, False),
+    # whai362/PVT classification/main.py (DeiT's); configs/pvt/pvt_small.py: clip_grad None
+    "pvt_imagenet": (1024, 3, "epoch", 1, False, 0, 300, False, "bf16", None, False),
+    # facebookresearch/LeViT main.py: step(epoch); engine.py trains in float32; --clip-grad 0.01
+    "levit_imagenet": (2048, 3, "epoch", 1, False, 0, 1000, False, None, 0.01, False),
+    # yitu-opensource/T2T-ViT main.py (timm's): step(epoch + 1), 300 + 10 cool-down epochs, model_ema; --amp
+    "t2t_imagenet": (512, 0, "epoch", 0, False, 10, 310, True, "bf16", None, None),
+    # microsoft/Swin-Transformer lr_scheduler.py as released: per step over all steps; clip 5.0; scales all
+    "swin_imagenet": (1024, 0, "update", 0, False, 0, 300, False, "bf16", 5.0, True),
+    # jiachenzhu/DyT = facebookresearch/ConvNeXt utils.cosine_scheduler: per iteration after the warm-up
+    "dyt_imagenet": (4096, 0, "update", 0, True, 0, 300, True, None, None, False),
+    # facebookresearch/mae PRETRAIN.md / FINETUNE.md / LINPROBE.md, util/lr_sched.py; autocast
+    "mae_pretrain": (4096, 0, "update", 0, True, 0, 800, False, "fp16", None, None),
+    "mae_finetune": (1024, 0, "update", 0, True, 0, 100, False, "fp16", None, None),
+    "mae_finetune_large": (1024, 0, "update", 0, True, 0, 50, False, "fp16", None, None),
+    "mae_linprobe": (16384, 0, "update", 0, True, 0, 90, False, "fp16", None, None),
+    # facebookresearch/dino utils.cosine_scheduler; DyT's DINO commands (32 x 32, 176 x 6); per-param clip
+    "dino_vitb16": (1024, 0, "update", 0, True, 0, 400, False, None, 0.3, None),
+    "dino_vitb8": (1056, 0, "update", 0, True, 0, 300, False, None, 3.0, None),
+    # pytorch/vision references/classification train.py: 32 x 8 GPUs, StepLR per epoch, float32
+    "torchvision_imagenet": (256, 0, "epoch", 0, False, 0, 90, False, None, None, None),
+    # facebookresearch/DiT train.py; mmdet's 1x schedules (grad_clip=None)
+    "dit_imagenet": (256, 0, None, None, None, None, None, None, None, None, None),
+    "retinanet_pvt_1x": (16, None, None, None, None, None, None, None, None, None, None),
+    "mask_rcnn_pvt_1x": (16, None, None, None, None, None, None, None, None, None, None),
+    "mask_rcnn_swin_1x": (16, None, None, None, None, None, None, None, None, None, None),
+}
+
+
+def _loop(cfg) -> tuple:
     t = cfg.trainer
-    assert cfg.data.name == "imagenet" and cfg.backbone.name == "vit_small"
-    assert (t.epochs, t.lr, t.lr_base_size, t.weight_decay, t.warmup_epochs) == (300, 5e-4, 512, 0.05, 5)
-    assert (t.mixup.mixup_alpha, t.mixup.cutmix_alpha, t.smoothing) == (0.8, 1.0, 0.1)
-    assert cfg.data.auto_augment == "rand-m9-mstd0.5-inc1" and cfg.data.reprob == 0.25
-    # a group chosen on the command line wins over the recipe's choice
+    return (t.global_batch, cfg.data.get("aug_repeats"), t.sched_on, t.sched_lag, t.warmup_prefix,
+            t.cooldown_epochs, t.epochs, t.ema.reported, t.amp, t.clip_grad, t.lr_scale_warmup_min)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_each_recipe_runs_its_sources_loop(recipe):
+    cfg = compose_cfg(f"experiment={recipe}")
+    pinned = {k: v for k, v in zip(LOOP, RECIPES[recipe], strict=True) if v is not None}
+    assert {k: v for k, v in zip(LOOP, _loop(cfg), strict=True) if k in pinned} == pinned
+    assert RECIPES[recipe][1] is not None or "aug_repeats" not in cfg.data  # detection data: no RASampler
+    assert not cfg.trainer.sync_bn  # BatchNorm with per-GPU statistics: none of these codes passes --sync-bn
+
+
+def test_every_recipe_cites_its_source_here():
+    assert set(RECIPES) == set(options("experiment"))
+
+
+def test_a_group_on_the_command_line_wins_over_the_recipes_choice():
     assert compose_cfg("experiment=deit_imagenet", "backbone=vit_tiny").backbone.name == "vit_tiny"
-
-
-def test_dtn_recipe_values():
-    """wqshao126/DTN train.py: DeiT's recipe at global batch 1024, only the peak lr scaled."""
-    cfg = compose_cfg("experiment=dtn_imagenet")
-    t = cfg.trainer
-    assert (cfg.backbone.name, cfg.norm.name, cfg.backbone.dtn_blocks) == ("vit_small_dtn", "dtn", 10)
-    assert (t.epochs, t.lr, t.lr_base_size, t.weight_decay, t.warmup_epochs) == (300, 5e-4, 512, 0.05, 5)
-    assert (t.global_batch, cfg.data.aug_repeats) == (1024, 3)
-    assert (t.lr_scale_warmup_min, t.warmup_lr, t.min_lr) == (False, 1e-6, 1e-5)  # absolute
-    assert (t.mixup.mixup_alpha, t.mixup.cutmix_alpha) == (0, 0)
-    assert (cfg.data.reprob, cfg.data.color_jitter, cfg.seed, t.amp) == (0, 0.4, 42, None)
-    assert t.ema.enabled and t.best_metric == "ema/val/top1" and cfg.backbone.drop_path_rate == 0.1
-    assert compose_cfg("experiment=dtn_imagenet", "norm=ln").norm.eps == 1e-5  # the DTN code's LN
     assert compose_cfg("experiment=dtn_imagenet", "backbone=vit_base_dtn").backbone.name == "vit_base_dtn"
+    assert compose_cfg("experiment=dtn_imagenet", "norm=ln").norm.eps == 1e-5  # the backbone's suggestion
 
 
-def test_dtn_pvt_recipe_values():
-    """wqshao126/DTN models/pvt_norm.py + train.py on top of dtn_imagenet."""
+def test_dtn_pvt_recipe_builds_the_dtn_codes_pvt():
+    """wqshao126/DTN models/pvt_norm.py: heads [4, 4, 5, 8], norm in stages 1-3, pos_embeds decayed."""
     cfg = compose_cfg("experiment=dtn_pvt_imagenet", "backbone=pvt_tiny")
     b = cfg.backbone
-    assert (list(b.num_heads), b.dtn_stages) == ([4, 4, 5, 8], 3)
-    assert b.drop_path_rate == 0.1 and cfg.trainer.global_batch == 1024
-    assert (cfg.data.crop_pct, cfg.norm.name, cfg.norm.pool_size) == (0.9, "dtn", 14)
-    assert build_backbone(b, cfg.norm).no_weight_decay() == {"cls_token"}  # pos_embed{s} decay
+    assert (list(b.num_heads), b.dtn_stages, cfg.norm.pool_size) == ([4, 4, 5, 8], 3, 14)
+    assert build_backbone(cfg.backbone, cfg.norm).no_weight_decay() == {"cls_token"}
 
 
 # DyT App. A / jiachenzhu/DyT README, per model: drop path, AdamW betas
@@ -97,19 +134,9 @@ DYT_MODELS = {"vit_base": (0.1, [0.9, 0.999]), "vit_large": (0.4, [0.9, 0.95]),
 
 
 @pytest.mark.parametrize("backbone", sorted(DYT_MODELS))
-def test_dyt_recipe_values(backbone):
+def test_dyt_recipe_builds_each_model_as_its_paper(backbone):
     cfg = compose_cfg("experiment=dyt_imagenet", f"backbone={backbone}")
-    t, d = cfg.trainer, cfg.data
-    assert (t.opt, t.lr, t.lr_base_size, t.global_batch, t.weight_decay) == ("adamw", 4e-3, 4096, 4096, 0.05)
-    assert (t.epochs, t.warmup_epochs, t.warmup_lr, t.min_lr) == (300, 20, 0, 1e-6)
-    assert not t.lr_scale_warmup_min  # ConvNeXt's main.py: only lr is "for total batch size 4096"
-    assert (t.ema.enabled, t.ema.decay, t.amp, t.clip_grad, t.smoothing) == (True, 0.9999, None, None, 0.1)
-    mixup = t.mixup
-    assert (mixup.mixup_alpha, mixup.cutmix_alpha, mixup.prob, mixup.switch_prob) == (0.8, 1.0, 1.0, 0.5)
-    assert (d.auto_augment, d.reprob, d.aug_repeats, d.color_jitter, d.crop_pct) == \
-        ("rand-m9-mstd0.5-inc1", 0.25, 0, 0.4, 0.875)
-    assert cfg.norm.name == "dyt" and cfg.backbone.global_pool == "avg"
-    assert (cfg.backbone.drop_path_rate, list(t.betas)) == DYT_MODELS[backbone]
+    assert (cfg.backbone.drop_path_rate, list(cfg.trainer.betas)) == DYT_MODELS[backbone]
     with torch.device("meta"):  # builds as configured: ViT with fc_norm after pooling, DyT in every slot
         model = build_backbone(cfg.backbone, cfg.norm)
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
@@ -117,86 +144,15 @@ def test_dyt_recipe_values(backbone):
         assert type(model.fc_norm).__name__ == "DyT" and isinstance(model.norm, torch.nn.Identity)
 
 
-# global batch and repeated augmentation of each paper's recipe (its main.py / launch scripts)
-RECIPE_BATCH = {"deit_imagenet": (1024, 3), "dtn_imagenet": (1024, 3), "dtn_pvt_imagenet": (1024, 3),
-                "pvt_imagenet": (1024, 3), "levit_imagenet": (2048, 3), "swin_imagenet": (1024, 0),
-                "t2t_imagenet": (512, 0), "dyt_imagenet": (4096, 0), "retinanet_pvt_1x": (16, None),
-                "mask_rcnn_pvt_1x": (16, None), "mask_rcnn_swin_1x": (16, None),
-                # MAE PRETRAIN.md / FINETUNE.md / LINPROBE.md; DyT's DINO commands (32 x 32, 176 x 6)
-                "mae_pretrain": (4096, 0), "mae_finetune": (1024, 0), "mae_finetune_large": (1024, 0),
-                "mae_linprobe": (16384, 0), "dino_vitb16": (1024, 0), "dino_vitb8": (1056, 0),
-                "dit_imagenet": (256, 0),
-                "torchvision_imagenet": (256, 0)}  # pytorch/vision references/classification: 32 x 8 GPUs
+def test_no_yaml_value_restates_a_schema_default():
+    """A group's values have one source, its yaml (every option stated there, so that it can be overridden
+    and is part of each run's identity): the schemas hold types and checks, no default to restate. The
+    backbone yamls state the model constructors' values they make options of: their number does not grow."""
+    from restated_defaults import restatements
 
-
-def test_every_recipe_states_its_global_batch():
-    assert set(RECIPE_BATCH) == set(options("experiment"))
-    for recipe, (batch, repeats) in RECIPE_BATCH.items():
-        cfg = compose_cfg(f"experiment={recipe}")
-        assert cfg.trainer.global_batch == batch, recipe
-        assert cfg.data.get("aug_repeats") == repeats, recipe
-    assert compose_cfg().trainer.global_batch is None and compose_cfg("data=imagenet").data.aug_repeats == 0
-
-
-# How each recipe's code runs its loop: the lr stepped per update or per epoch and with which index
-# (sched_on, sched_lag), the cosine after the warm-up or over it (warmup_prefix), cool-down epochs, epochs in
-# all, whether the reported top-1 is the EMA model's, and the precision.
-RECIPE_LOOP = {
-    # facebookresearch/deit main.py: lr_scheduler.step(epoch) after each epoch; evaluate(model); AMP autocast
-    "deit_imagenet": ("epoch", 1, False, 0, 300, False, "bf16"),
-    # wqshao126/DTN train.py (timm's train.py): step(epoch + 1); validates model_ema; amp off in its configs
-    "dtn_imagenet": ("epoch", 0, False, 0, 300, True, None),
-    "dtn_pvt_imagenet": ("epoch", 0, False, 0, 300, True, None),
-    # whai362/PVT classification/main.py (DeiT's): step(epoch); no EMA
-    "pvt_imagenet": ("epoch", 1, False, 0, 300, False, "bf16"),
-    # facebookresearch/LeViT main.py: step(epoch); evaluate(model); engine.py trains in float32
-    "levit_imagenet": ("epoch", 1, False, 0, 1000, False, None),
-    # yitu-opensource/T2T-ViT main.py (timm's train.py): step(epoch + 1), the num_epochs create_scheduler
-    # returns (300 + 10 cool-down), validates model_ema; README: --amp
-    "t2t_imagenet": ("epoch", 0, False, 10, 310, True, "bf16"),
-    # microsoft/Swin-Transformer lr_scheduler.py as released with the paper: per step, t_initial = all steps
-    "swin_imagenet": ("update", 0, False, 0, 300, False, "bf16"),
-    # jiachenzhu/DyT = facebookresearch/ConvNeXt utils.cosine_scheduler: per iteration, cosine after warm-up
-    "dyt_imagenet": ("update", 0, True, 0, 300, True, None),
-    # facebookresearch/mae util/lr_sched.py: per iteration, half-cycle cosine after the warm-up; autocast
-    "mae_pretrain": ("update", 0, True, 0, 800, False, "fp16"),
-    "mae_finetune": ("update", 0, True, 0, 100, False, "fp16"),
-    "mae_finetune_large": ("update", 0, True, 0, 50, False, "fp16"),
-    "mae_linprobe": ("update", 0, True, 0, 90, False, "fp16"),
-    # facebookresearch/dino utils.cosine_scheduler: per iteration, cosine after the warm-up; fp32 (DyT)
-    "dino_vitb16": ("update", 0, True, 0, 400, False, None),
-    "dino_vitb8": ("update", 0, True, 0, 300, False, None),
-    # pytorch/vision references/classification train.py: lr_scheduler.step() after each epoch (StepLR), no
-    # warm-up, the trained model, float32 (no --amp)
-    "torchvision_imagenet": ("epoch", 0, False, 0, 90, False, None),
-}
-
-
-@pytest.mark.parametrize("recipe", sorted(RECIPE_LOOP))
-def test_each_recipe_runs_its_codes_loop(recipe):
-    t = compose_cfg(f"experiment={recipe}").trainer
-    assert (t.sched_on, t.sched_lag, t.warmup_prefix, t.cooldown_epochs, t.epochs, t.ema.reported, t.amp) \
-        == RECIPE_LOOP[recipe]
-    assert not t.sync_bn  # BatchNorm with per-GPU statistics: none of these codes passes --sync-bn
-
-
-# gradient clipping of each recipe's code (None: none); the demo clips at 1.0 (trainer/default.yaml)
-RECIPE_CLIP = {
-    "deit_imagenet": None, "dtn_imagenet": None, "dtn_pvt_imagenet": None,  # --clip-grad default None
-    "pvt_imagenet": None,  # classification/configs/pvt/pvt_small.py: clip_grad None (medium/large: 1.0)
-    "levit_imagenet": 0.01, "swin_imagenet": 5.0, "t2t_imagenet": None, "dyt_imagenet": None,
-    "retinanet_pvt_1x": None, "mask_rcnn_pvt_1x": None, "mask_rcnn_swin_1x": None,  # grad_clip=None
-    "mae_pretrain": None, "mae_finetune": None, "mae_finetune_large": None, "mae_linprobe": None,
-    "dino_vitb16": 0.3, "dino_vitb8": 3.0,  # per parameter (clip_mode=param), as DINO's clip_gradients
-    "dit_imagenet": None, "torchvision_imagenet": None,  # train.py --clip-grad-norm None
-}
-
-
-def test_only_the_recipes_that_clip_gradients_clip_them():
-    assert set(RECIPE_CLIP) == set(options("experiment"))
-    for recipe, clip in RECIPE_CLIP.items():
-        assert compose_cfg(f"experiment={recipe}").trainer.clip_grad == clip, recipe
-    assert compose_cfg().trainer.clip_grad == 1.0 and compose_cfg("task=detection").trainer.clip_grad is None
+    found = restatements()
+    assert found["norm"] == [] and found["data"] == []
+    assert len(found["backbone"]) <= 94, found["backbone"]
 
 
 def test_t2t_data_as_its_code_resolves_it():
@@ -213,20 +169,14 @@ def test_t2t_data_as_its_code_resolves_it():
 
 
 def test_loop_settings_that_contradict_each_other_are_one_line():
-    from normexp.config import validate
     from normexp.errors import UserError
+    from normexp.preflight import validate
 
     for overrides, message in [(["trainer.ema.reported=true"], "needs trainer.ema.enabled=true"),
                                (["trainer.sched_on=epoch", "trainer.warmup_iters=10"], "sched_on=update"),
                                (["trainer.epochs=5", "trainer.cooldown_epochs=5"], "no epochs")]:
         with pytest.raises(UserError, match=message):
             validate(compose_cfg(*overrides))
-
-
-def test_deit_based_recipes_scale_only_the_peak_lr():
-    for recipe in ("deit_imagenet", "dtn_imagenet", "pvt_imagenet", "levit_imagenet"):
-        assert not compose_cfg(f"experiment={recipe}").trainer.lr_scale_warmup_min, recipe
-    assert compose_cfg("experiment=swin_imagenet").trainer.lr_scale_warmup_min  # Swin scales all three
 
 
 def test_cfg_job_prints_the_config():

@@ -13,10 +13,11 @@ from conftest import ROOT
 LAYERS = [
     {"__init__", "errors", "distributed", "plotting"},
     {"tracking", "metrics", "norms", "plugins"},
+    {"config"},  # the schema: a leaf, below everything that reads a config
     {"models", "data", "diffusion"},
     {"engine"},
     {"tasks"},
-    {"config"},
+    {"preflight"},  # the checks before any work: the schema, and what each task needs, asked of its registry
     {"run", "tables"},
     {"compare", "dashboard", "sync", "analysis", "command_line"},
     {"__main__"},
@@ -136,7 +137,7 @@ def test_an_upward_import_is_found(tmp_path):
     with (tmp_path / "normexp" / "data" / "loaders.py").open("a") as f:
         f.write("\nfrom ..engine import trainer\n")
     assert upward_imports(tmp_path) == [
-        "normexp.data.loaders -> normexp.engine (data, layer 2 -> engine, layer 3)"]
+        "normexp.data.loaders -> normexp.engine (data, layer 3 -> engine, layer 4)"]
 
 
 def test_no_import_cycles():
@@ -151,3 +152,7 @@ def test_an_import_cycle_is_found(tmp_path):
         f.write("\nif TYPE_CHECKING:\n    from .trainer import Trainer\n")
     assert upward_imports(tmp_path) == []
     assert import_cycles(tmp_path) == [["normexp.engine.batches", "normexp.engine.trainer"]]
+
+
+def test_the_schema_reads_no_task_engine_data_tracking_or_model_code():
+    assert {unit_of(m) for m in import_graph()["normexp.config"]} <= {"__init__", "errors", "norms"}

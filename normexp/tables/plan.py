@@ -18,8 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import validate
 from ..errors import UserError
+from ..preflight import validate
 from ..tracking.lock import read_owner
 from ..tracking.provenance import config_hash
 from ..tracking.records import DONE, Record, load_record

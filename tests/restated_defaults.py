@@ -1,0 +1,167 @@
+"""Config values that restate a default of the code (the yaml states only what differs): a norm yaml value
+equal to its normalizer constructor's default, a data yaml value equal to its dataset schema's default, a
+backbone yaml value equal to its model constructor's default. ``PYTHONPATH=. python
+tests/restated_defaults.py`` prints them and their count per group."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+# keys that are no constructor option: the option's name, what it composes, suggestions to other groups
+NOT_OPTIONS = {"name", "defaults", "placement", "model_defaults", "kind", "norm_defaults", "trainer_defaults",
+               "dense_settings", "dense"}
+
+
+def _same(value: Any, default: Any) -> bool:
+    """``value`` (yaml) is ``default`` (code): equal, a bool only to a bool, a list to a tuple."""
+    if isinstance(default, tuple):
+        default = list(default)
+    if isinstance(value, (list, dict)) or isinstance(default, (list, dict)):
+        return _plain(value) == _plain(default)
+    return isinstance(value, bool) == isinstance(default, bool) and value == default
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _statements(path: Path) -> dict[str, Any]:
+    """The file's own values (not what it composes), interpolations left out."""
+    values = yaml.safe_load(path.read_text()) or {}
+    return {k: v for k, v in values.items()
+            if k not in NOT_OPTIONS and not (isinstance(v, str) and v.startswith("${"))}
+
+
+def norm_defaults(name: str) -> dict[str, Any]:
+    """The defaults of ``norm=<name>``'s schema (:func:`normexp.config.norm_schema`)."""
+    from normexp.config import norm_schema
+
+    return _defaults(norm_schema(name))
+
+
+def norm_constructor_defaults(name: str) -> dict[str, Any]:
+    from normexp.norms.registry import hyperparameters
+
+    return {o.name: o.default for o in hyperparameters(name) or [] if o.default is not MISSING}
+
+
+def data_defaults(name: str) -> dict[str, Any]:
+    """The defaults of ``data=<name>``'s schema."""
+    from normexp.config import DATA_SCHEMAS
+
+    return _defaults(DATA_SCHEMAS[name])
+
+
+def _defaults(schema: type | None) -> dict[str, Any]:
+    found = {}
+    for f in fields(schema) if schema is not None else ():
+        if f.name in NOT_OPTIONS:
+            continue
+        if f.default is not MISSING:
+            found[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            found[f.name] = f.default_factory()
+    return found
+
+
+class _Built(Exception):
+    def __init__(self, module: nn.Module, arguments: dict[str, Any]) -> None:
+        super().__init__(type(module).__name__)
+        self.cls, self.arguments = type(module), arguments
+
+
+def _stop_at_the_first_module(frame: Any, event: str, arg: Any) -> None:
+    if event == "call" and frame.f_code.co_name == "__init__" \
+            and isinstance(frame.f_locals.get("self"), nn.Module):
+        arguments = dict(frame.f_locals)
+        raise _Built(arguments.pop("self"), {**arguments.pop("kwargs", {}), **arguments})
+    return None
+
+
+def backbone_defaults(name: str) -> dict[str, Any]:
+    """What ``create_model(name)`` hands its model class (its size's settings, then that constructor's
+    defaults), and the defaults of the constructors up its bases: the model is not built (the first
+    module's constructor is stopped on entry)."""
+    import sys
+
+    import normexp.models  # noqa: F401  (registers every model)
+    from normexp.models.registry import _MODELS
+
+    sys.settrace(_stop_at_the_first_module)
+    try:
+        _MODELS[name]()
+        raise AssertionError(f"model '{name}' made no module")
+    except _Built as built:
+        cls, found = built.cls, built.arguments
+    finally:
+        sys.settrace(None)
+    for base in cls.__mro__:
+        if base is nn.Module:
+            break
+        if "__init__" in base.__dict__:
+            for p in list(inspect.signature(base.__init__).parameters.values())[1:]:
+                if p.default is not p.empty:
+                    found.setdefault(p.name, p.default)
+    return found
+
+
+def _backbone_files() -> dict[Path, list[str]]:
+    """Each backbone yaml and the backbones (size files) whose composition reads it: a size file its own
+    name, a family file every size that composes it (directly or through another family)."""
+    composes: dict[Path, list[Path]] = {}
+    for path in sorted((CONFIGS / "backbone").rglob("*.yaml")):
+        values = yaml.safe_load(path.read_text()) or {}
+        composes[path] = [CONFIGS / "backbone" / f"{d.split('@')[0]}.yaml" if "/" in d
+                          else path.parent / f"{d.split('@')[0]}.yaml"
+                          for d in values.get("defaults", []) if isinstance(d, str) and d != "_self_"]
+
+    def readers(path: Path) -> list[str]:
+        if path.parent.name != "family":
+            return [path.stem]
+        return sorted({name for other, parents in composes.items() if path in parents
+                       for name in readers(other)})
+
+    return {path: readers(path) for path in composes}
+
+
+def restatements() -> dict[str, list[str]]:
+    """``group -> ["<file>: <key>=<value>", ...]``: every statement that equals the code's default (in a
+    family file: the default of every size that reads it, unless a size file states the key itself); and,
+    for comparison, ``norm_constructor``: the norm yamls' values equal to their constructors' defaults."""
+    found: dict[str, list[str]] = {"norm": [], "data": [], "backbone": [], "norm_constructor": []}
+    for group, defaults in (("norm", norm_defaults), ("data", data_defaults),
+                            ("norm_constructor", norm_constructor_defaults)):
+        folder = group.split("_")[0]
+        for path in sorted((CONFIGS / folder).glob("*.yaml")):
+            code = defaults(path.stem)
+            found[group] += [f"{folder}/{path.name}: {k}={v}" for k, v in _statements(path).items()
+                             if k in code and _same(v, code[k])]
+    code = {}
+    for path, names in _backbone_files().items():
+        for key, value in _statements(path).items():
+            sizes = [n for n in names if path.parent.name != "family"
+                     or key not in _statements(CONFIGS / "backbone" / f"{n}.yaml")]
+            for n in sizes:
+                code.setdefault(n, backbone_defaults(n))
+            if sizes and all(key in code[n] and _same(value, code[n][key]) for n in sizes):
+                found["backbone"].append(f"{path.relative_to(CONFIGS)}: {key}={value}")
+    return found
+
+
+if __name__ == "__main__":
+    for group, statements in restatements().items():
+        print(f"{group}: {len(statements)}")
+        for statement in statements:
+            print(f"  {statement}")
