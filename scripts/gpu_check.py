@@ -438,13 +438,17 @@ def check_run(device: torch.device, dry_run: bool, work: Path, timeout: float, g
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 "-m", "normexp"]
     env = {**os.environ, "TORCH_LOGS": "graph_breaks,recompiles", "WANDB_SILENT": "true",
-           "NORMEXP_OUTPUT_DIR": str(work / "outputs"), "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(ROOT)}
 
-    def launch(run_dir: Path) -> subprocess.Popen:
-        cmd = [*torchrun, *overrides, f"hydra.run.dir={run_dir}"]
-        print("$", " ".join(cmd), flush=True)
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+    def launch(root: Path) -> subprocess.Popen:
+        """The run, under an output root of its own (its record: the one directory there)."""
+        print(f"$ NORMEXP_OUTPUT_DIR={root}", " ".join(torchrun + overrides), flush=True)
+        return subprocess.Popen([*torchrun, *overrides], cwd=ROOT,
+                                env={**env, "NORMEXP_OUTPUT_DIR": str(root)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def record(root: Path) -> Path:
+        return next(root.glob("classification/*"), root / "not-started")
 
     def finish(proc: subprocess.Popen, log: str) -> tuple[int, str]:
         try:
@@ -458,12 +462,12 @@ def check_run(device: torch.device, dry_run: bool, work: Path, timeout: float, g
         return code, text
 
     start = time.perf_counter()
-    reference = work / "run_reference"
-    code, out = finish(launch(reference), "run_uninterrupted.log")
+    code, out = finish(launch(work / "run_reference"), "run_uninterrupted.log")
+    reference = record(work / "run_reference")
     breaks, recompiles = count_compile_events(out)
     seconds = time.perf_counter() - start
     section.lines += [f"Command: `torchrun --standalone --nproc_per_node={nproc} -m normexp "
-                      f"{' '.join(overrides)} hydra.run.dir=<dir>`", "",
+                      f"{' '.join(overrides)}` (each under an output root of its own)", "",
                       "| run | exit | status | epochs | wall s | graph breaks | recompiles |",
                       "|---|---|---|---|---|---|---|",
                       f"| uninterrupted | {code} | {status_of(reference)} | {len(epoch_rows(reference))} | "
@@ -475,18 +479,19 @@ def check_run(device: torch.device, dry_run: bool, work: Path, timeout: float, g
         section.fail(f"\nFAIL: {breaks} graph breaks, {recompiles} recompiles (expected 0 and at most "
                      f"{EXPECTED_RECOMPILES}); first: {lines[:1]}")
 
-    killed = work / "run_killed"
-    proc = launch(killed)
-    checkpoint, deadline = killed / "checkpoint.pth", time.monotonic() + timeout
-    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
+    proc = launch(work / "run_killed")
+    deadline = time.monotonic() + timeout
+    while not (record(work / "run_killed") / "checkpoint.pth").exists() and proc.poll() is None \
+            and time.monotonic() < deadline:
         time.sleep(0.2)
+    killed = record(work / "run_killed")
     kill_tree(proc.pid)
     first, _ = proc.communicate()
     (log_dir / "run_killed.log").write_text(first)
     after_kill = status_of(killed)
     if after_kill == "completed":
         section.fail("\nFAIL: the run completed before it could be killed: lengthen it")
-    code, out = finish(launch(killed), "run_resumed.log")  # the same command continues it
+    code, out = finish(launch(work / "run_killed"), "run_resumed.log")  # the same command continues it
     section.lines.append(f"| killed after its first checkpoint ({after_kill}), then the same command | "
                          f"{code} | {status_of(killed)} | {len(epoch_rows(killed))} | | "
                          f"{'/'.join(map(str, count_compile_events(out)))} | |")

@@ -44,13 +44,14 @@ def grid_settings(grid: list[str]) -> list[list[str]]:
 def run_one(backbone: str, norm: str, seed: int, setting: list[str], output_root: Path,
             overrides: list[str]) -> dict:
     name = "-".join([backbone, norm, *(s.replace("=", "") for s in setting), f"s{seed}"])
-    run_dir = output_root / name
     cmd = [sys.executable, "-m", "normexp", f"backbone={backbone}", f"norm={norm}", f"seed={seed}",
-           "logger=none", "trainer.progress=false", f"hydra.run.dir={run_dir}", *setting, *overrides]
-    start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+           "logger=none", "trainer.progress=false", *setting, *overrides]
+    start = time.time()  # each run under a root of its own: its record is the one directory there
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "NORMEXP_OUTPUT_DIR": str(output_root / name)})
     wall = time.time() - start
-    summary_path = run_dir / "summary.json"
+    summary_path = next((output_root / name).glob("*/*/summary.json"), output_root / name / "none")
+    run_dir = summary_path.parent
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     if proc.returncode != 0:
         print(proc.stderr[-2000:], file=sys.stderr)
