@@ -10,7 +10,7 @@ random number is drawn: training numbers are those of a run without the probe.
 
 Cost: one forward pass of 16 images per epoch. Measured on 2 shared CPU cores with the digits demo's micro ViT
 and DyT: 0.5-1.2 s against a training epoch of 160 s on that (heavily loaded) machine, under 1 % of the
-epoch; the ratio only falls for larger data sets. So it is always on.
+epoch; the ratio only falls for larger data sets. So it is on by default (``task.probes: [alpha]``).
 """
 
 from __future__ import annotations
