@@ -4,6 +4,9 @@ A family is one file: a subclass of its paper's (or timm's) model that also deri
 (put last among the bases, so the family's own methods win over the defaults here), plus registered
 constructors and one yaml per size in ``configs/backbone/``. The rest of the suite relies only on this:
 
+* ``serves``: what the family's models serve -- :data:`CLASSIFICATION` (logits), :data:`DENSE_FEATURES`
+  (``features``, for dense tasks), :data:`DIFFUSION` (DiT's denoising); tasks ask it (:func:`served`).
+  ``dense_weights``: prefixes of the weights only a dense build has (a classifier's checkpoint lacks them).
 * ``features(x) -> list[Tensor]``: NCHW maps, finest first, for dense tasks (detection's FPN).
   ``feature_channels[i]`` and ``feature_strides[i]`` (input pixels per map pixel) describe map i.
   Plain models (one token grid) build ViTDet's simple pyramid when created with ``pyramid_scales``; without
@@ -35,6 +38,9 @@ from torch import nn
 
 from ..norms.layout import FoldedHeads, TokenLayout
 
+CLASSIFICATION, DENSE_FEATURES, DIFFUSION = "classification", "dense features", "diffusion"
+NEEDS = (CLASSIFICATION, DENSE_FEATURES, DIFFUSION)  # what a task may ask a model to serve
+
 
 class NormContext(TypedDict, total=False):
     """The context a model hands a norm slot (see ``normexp.norms.registry`` for how it is used).
@@ -59,6 +65,8 @@ class NormContext(TypedDict, total=False):
 class Backbone(nn.Module):
     """Base of every backbone family: the contract above, with its defaults."""
 
+    serves: frozenset[str] = frozenset({CLASSIFICATION})
+    dense_weights: Sequence[str] = ()
     feature_channels: list[int]
     feature_strides: list[int]
     norm_keep: Sequence[str] = ()
@@ -77,6 +85,13 @@ class Backbone(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Parameter names exempt from weight decay (1-D parameters and biases always are)."""
         return set()
+
+
+def served(model: nn.Module) -> frozenset[str]:
+    """What ``model`` serves as built: its ``serves``, less dense features when it has no feature maps (a
+    plain model built without a pyramid); a model outside the contract serves classification."""
+    serves = frozenset(getattr(model, "serves", {CLASSIFICATION}))
+    return serves - {DENSE_FEATURES} if not getattr(model, "feature_strides", None) else serves
 
 
 class GridHook:
@@ -112,6 +127,8 @@ class PlainBackbone(Backbone):
     """A plain model (one token grid: ViT, T2T-ViT): ``features`` is ViTDet's simple pyramid over the last
     block's grid tokens, built when the model is created with ``pyramid_scales`` (``self.pyramid``)."""
 
+    serves = frozenset({CLASSIFICATION, DENSE_FEATURES})  # dense features: built with ``pyramid_scales``
+    dense_weights = ("pyramid.",)
     pyramid: nn.Module | None
     token_layout: TokenLayout
     num_prefix_tokens: int

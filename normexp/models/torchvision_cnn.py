@@ -60,7 +60,7 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 from torchvision.models.resnet import ResNet as TorchvisionResNet
 from torchvision.models.vgg import VGG as TorchvisionVGG
 
-from .base import Backbone, NormContext
+from .base import CLASSIFICATION, DENSE_FEATURES, Backbone, NormContext
 from .registry import register_model
 
 GROUPS = 32  # GroupNorm's group count in ResNet-50 (Wu & He 2018); the head count handed to each slot
@@ -92,6 +92,7 @@ class _ConvSlots(Backbone):
     """What both families share: each BatchNorm slot's channels and block, recorded at construction (so the
     context is the same once a normalizer sits in the slot: the analysis asks after the placement)."""
 
+    serves = frozenset({CLASSIFICATION, DENSE_FEATURES})
     _slot_channels: dict[str, int]
     _slot_blocks: dict[str, int | None]
 
