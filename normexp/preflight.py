@@ -99,6 +99,14 @@ def _input_size(values: dict[str, Any]) -> Iterator[str]:
                "data.img_size (the backbone's follows it), not backbone.img_size")
 
 
+def _probes(values: dict[str, Any]) -> Iterator[str]:
+    from .engine.probes import unknown_probes
+
+    problem = unknown_probes(values["task"].get("probes"))
+    if problem:
+        yield problem
+
+
 def _loggers(values: dict[str, Any]) -> Iterator[str]:
     unknown = sorted(set(values.get("logger") or {}) - set(LOGGER_CLASSES))
     if unknown:
@@ -106,7 +114,7 @@ def _loggers(values: dict[str, Any]) -> Iterator[str]:
 
 
 CROSS_CHECKS: tuple[Callable[[dict[str, Any]], Iterator[str]], ...] = (_trainer, _task_and_data, _batches,
-                                                                       _input_size, _loggers)
+                                                                       _input_size, _probes, _loggers)
 
 
 # ---------------------------------------------------------------- what the machine must provide

@@ -1,6 +1,7 @@
 """Per-epoch log of every scalar-alpha norm layer (DyT, Derf): its alpha and the std of its input, as DyT
 (Zhu et al., CVPR 2025, arXiv 2503.10622, Sec. 6.2, Fig. 8 left) tracks them. One eval forward of a fixed
-probe batch per epoch, drawing no random number; its cost is in docs/benchmarks.md."""
+probe batch per epoch, drawing no random number; a task opts in with ``task.probes: [alpha]`` (its cost is in
+docs/benchmarks.md)."""
 
 from __future__ import annotations
 

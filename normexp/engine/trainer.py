@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,12 +40,12 @@ from ..data.loaders import set_epoch
 from ..errors import UserError
 from ..tracking.provenance import config_hash
 from ..tracking.records import RunRecord
-from .alpha_probe import alpha_probe
 from .batches import accumulation_steps, batch_size_of, to_device
 from .checkpoint import load_model_state
 from .divergence import LossWindow
 from .evaluate import show_progress
 from .precision import Precision, resolve_device
+from .probes import Forward, Probe
 from .signals import StopSignals
 from .state import read_resume_state, rng_state, save_training_state, set_rng_state, this_process
 
@@ -58,8 +59,10 @@ class Trainer:
 
     minimized: tuple[str, ...] = ()
 
-    def __init__(self, cfg: Any, model: nn.Module, data: Any, record: RunRecord) -> None:
+    def __init__(self, cfg: Any, model: nn.Module, data: Any, record: RunRecord,
+                 probes: Sequence[Probe] = ()) -> None:
         self.cfg, self.data, self.record = cfg, data, record
+        self.probes = list(probes)  # run at each epoch end, their numbers in the epoch's row
         self.dist = distributed.info()
         self.device = resolve_device(cfg.device, self.dist.local_rank)
         self.precision = Precision(cfg.amp, self.device)
@@ -239,7 +242,8 @@ class Trainer:
             self.metrics = {"final": final, "best": best, "reported": self.reported(final)}
             log.info("epoch %d/%d  %s", epoch + 1, self.cfg.epochs,
                      "  ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
-        row.update(self.probe())
+        for probe in self.probes:
+            row.update(probe(self.module, self.data.val, self.probe_forward()))
         self.record.log(row)
         self.epoch, self.batch = epoch + 1, 0
         if self.cfg.checkpoint:
@@ -344,9 +348,10 @@ class Trainer:
         return value < best if lowest else value > best
 
     # ---------------------------------------------------------------- what a task defines
-    def probe(self) -> dict[str, float]:
-        """The epoch row's per-layer numbers: DyT's alpha and its input's std (``alpha_probe``)."""
-        return alpha_probe(self.module, self.data.val)
+    def probe_forward(self) -> Forward | None:
+        """How a probe's batch of images goes through the model (None: ``model(images)``); no random number
+        drawn from the training streams."""
+        return None
 
     def task_state(self) -> dict[str, Any] | None:
         """What the task keeps beyond the model, optimizer and schedule (a teacher, a centre), for the

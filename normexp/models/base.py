@@ -1,6 +1,7 @@
-"""The backbone contract every family in ``normexp/models`` derives from (docs/backbones.md): ``features``,
-``norm_context``, ``norm_keep``, ``no_weight_decay``, ``fixed_input_size``, ``residual_scales`` and
-``branches_start_closed``. Put :class:`Backbone` last among a family's bases so its own methods win."""
+"""The backbone contract every family in ``normexp/models`` derives from (docs/backbones.md): ``serves`` (what
+a task may ask of it) and ``dense_weights``, ``features``, ``norm_context``, ``norm_keep``,
+``no_weight_decay``, ``fixed_input_size``, ``residual_scales`` and ``branches_start_closed``. Put
+:class:`Backbone` last among a family's bases so its own methods win."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from timm.layers import trunc_normal_
 from torch import nn
 
 from ..norms.layout import FoldedHeads, TokenLayout
+
+CLASSIFICATION, DENSE_FEATURES, DIFFUSION = "classification", "dense features", "diffusion"
+NEEDS = (CLASSIFICATION, DENSE_FEATURES, DIFFUSION)  # what a task may ask a model to serve
 
 
 class NormContext(TypedDict, total=False):
@@ -29,6 +33,8 @@ class NormContext(TypedDict, total=False):
 class Backbone(nn.Module):
     """Base of every backbone family: the contract, with its defaults."""
 
+    serves: frozenset[str] = frozenset({CLASSIFICATION})
+    dense_weights: Sequence[str] = ()
     feature_channels: list[int]
     feature_strides: list[int]
     norm_keep: Sequence[str] = ()
@@ -46,6 +52,13 @@ class Backbone(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Parameter names exempt from weight decay (1-D parameters and biases always are)."""
         return set()
+
+
+def served(model: nn.Module) -> frozenset[str]:
+    """What ``model`` serves as built: its ``serves``, less dense features when it has no feature maps (a
+    plain model built without a pyramid); a model outside the contract serves classification."""
+    serves = frozenset(getattr(model, "serves", {CLASSIFICATION}))
+    return serves - {DENSE_FEATURES} if not getattr(model, "feature_strides", None) else serves
 
 
 class GridHook:
@@ -74,6 +87,8 @@ def vit_init(module: nn.Module) -> None:
 class PlainBackbone(Backbone):
     """A one-grid model (ViT, T2T-ViT): ``features`` is ViTDet's simple pyramid (``pyramid_scales``)."""
 
+    serves = frozenset({CLASSIFICATION, DENSE_FEATURES})  # dense features: built with ``pyramid_scales``
+    dense_weights = ("pyramid.",)
     pyramid: nn.Module | None
     token_layout: TokenLayout
     num_prefix_tokens: int

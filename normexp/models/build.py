@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -12,7 +13,8 @@ from torch import nn
 
 from ..errors import UserError
 from ..norms import get_norm_class, norm_layer_factory, replace_norms
-from .registry import create_model
+from .base import DENSE_FEATURES, served
+from .registry import create_model, model_classes, serving
 
 
 def as_dict(cfg: DictConfig | dict) -> dict[str, Any]:
@@ -64,9 +66,33 @@ def build_model(constructor: Callable[[], nn.Module], norm_cfg: DictConfig | dic
 
 def build_backbone(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,
                    dense: bool = False) -> nn.Module:
-    """Create ``backbone_cfg.name`` with its config values, then swap its norm slots for ``norm_cfg``."""
+    """Create ``backbone_cfg.name`` with its config values, then swap its norm slots for ``norm_cfg``
+    (``dense``: see :func:`backbone_arguments`; a model that serves no dense features is refused)."""
     name, kwargs = backbone_arguments(backbone_cfg, dense)
-    return build_model(lambda: create_model(name, **kwargs), norm_cfg, f"backbone '{name}'")
+    model = build_model(lambda: create_model(name, **kwargs), norm_cfg, f"backbone '{name}'")
+    if dense:
+        require(model, name, DENSE_FEATURES)
+    return model
+
+
+def name_patterns(names: Iterable[str]) -> list[str]:
+    """Registered names, those of one class as their common prefix and ``*`` (``vit_*``)."""
+    groups: dict[tuple[type, ...], list[str]] = {}
+    for name in names:
+        groups.setdefault(model_classes(name), []).append(name)
+    return sorted(group[0] if len(group) == 1 else os.path.commonprefix(group) + "*"
+                  for group in groups.values())
+
+
+def require(model: nn.Module, name: str, need: str) -> None:
+    """Refuse, in one line, a model that does not serve ``need`` (its contract's ``serves``)."""
+    serves = served(model)
+    if need not in serves:
+        how = " (its family serves them when built with pyramid_scales: a dense: block in its config)" \
+            if need in getattr(model, "serves", ()) else ""
+        what, others = ", ".join(sorted(serves)) or "nothing", ", ".join(name_patterns(serving(need)))
+        raise UserError(f"backbone '{name}' serves {what}, not {need}{how}; "
+                        f"backbones that serve {need}: {others}")
 
 
 def check_buildable(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,

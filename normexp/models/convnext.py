@@ -19,7 +19,7 @@ from timm.layers import LayerNorm2d
 from timm.models.convnext import ConvNeXt as TimmConvNeXt
 from torch import nn
 
-from .base import Backbone, NormContext
+from .base import CLASSIFICATION, DENSE_FEATURES, Backbone, NormContext
 from .registry import register_model
 
 HEAD_DIM = 32  # Swin's head width at the same stage widths (see the module docstring)
@@ -33,6 +33,8 @@ def convnext_heads(channels: int) -> int:
 class ConvNeXt(TimmConvNeXt, Backbone):
     """timm's ConvNeXt with the backbone contract: norm context per slot, ``features()``."""
 
+    serves = frozenset({CLASSIFICATION, DENSE_FEATURES})
+    dense_weights = ("feature_norms.",)  # the official detection backbone's norm on each stage output
     residual_scales = ("stages.*.blocks.*.mlp",)  # the branch: depthwise conv, norm, MLP, layer scale
 
     def __init__(self, img_size: int | tuple[int, int] = 224, feature_norms: bool = False,

@@ -23,7 +23,7 @@ from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredic
 from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign, roi_align
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxPool
 
-from .base import Backbone
+from .base import DENSE_FEATURES, Backbone, served
 
 DETECTORS = ("retinanet", "mask_rcnn")
 DEFAULT_ANCHOR_SCALE = {"retinanet": 4.0, "mask_rcnn": 8.0}  # mmdet's: 32 px at stride 8 / stride 4
@@ -159,8 +159,8 @@ def build_detector(body: Backbone, detector: str, num_classes: int, *, min_size:
     ``rpn_min_pos_iou``: the lowest IoU of the RPN's low-quality matches (None: any)."""
     if detector not in DETECTORS:
         raise ValueError(f"unknown detector '{detector}'; available: {', '.join(DETECTORS)}")
-    if not isinstance(body, Backbone) or not body.feature_strides:
-        raise ValueError(f"{type(body).__name__} offers no features() (a plain model needs pyramid_scales): "
+    if DENSE_FEATURES not in served(body):
+        raise ValueError(f"{type(body).__name__} serves no dense features (a plain model: pyramid_scales): "
                          "it cannot feed a detector")
     check_options(detector, options or {})
     levels = list(levels) if levels is not None else default_levels(detector, len(body.feature_strides))

@@ -19,7 +19,7 @@ from timm.models.vision_transformer import Attention
 from torch import nn
 
 from ..norms.layout import TokenLayout
-from .base import NormContext
+from .base import DIFFUSION, NormContext
 from .mae import sincos_2d
 from .registry import register_model
 
@@ -103,6 +103,7 @@ class DiT(nn.Module):
     """``forward(x, t, y)``: noisy inputs (B, C, H, W), steps (B,), labels (B,) -> (B, 2C or C, H, W).
     ``input_size``: H = W of what it denoises (DiT's name: the latent size, 32 for 256 px images)."""
 
+    serves = frozenset({DIFFUSION})
     residual_scales = ("blocks.*.attn", "blocks.*.mlp")  # before adaLN's gates
 
     task = "dit"  # the task its forward serves (not an image classifier)

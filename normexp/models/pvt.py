@@ -21,7 +21,7 @@ from timm.layers import DropPath, Mlp, to_2tuple, trunc_normal_, use_fused_attn
 from torch import nn
 
 from ..norms.layout import TokenLayout
-from .base import Backbone, GridHook, NormContext, vit_init
+from .base import CLASSIFICATION, DENSE_FEATURES, Backbone, GridHook, NormContext, vit_init
 from .registry import register_model
 
 
@@ -95,6 +95,7 @@ class Block(nn.Module):
 class PyramidVisionTransformer(Backbone):
     """PVT v1. ``features(x)`` returns the 4 stage maps (NCHW, strides ``feature_strides``)."""
 
+    serves = frozenset({CLASSIFICATION, DENSE_FEATURES})
     residual_scales = ("block[1-4].*.attn", "block[1-4].*.mlp")
 
     def __init__(

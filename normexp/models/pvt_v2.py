@@ -17,13 +17,14 @@ from timm.models.pvt_v2 import OverlapPatchEmbed, PyramidVisionTransformerV2
 from torch import nn
 
 from ..norms.layout import TokenLayout
-from .base import Backbone, GridHook, NormContext
+from .base import CLASSIFICATION, DENSE_FEATURES, Backbone, GridHook, NormContext
 from .registry import register_model
 
 
 class PVTv2(PyramidVisionTransformerV2, Backbone):
     """timm's PVT v2 that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
+    serves = frozenset({CLASSIFICATION, DENSE_FEATURES})
     residual_scales = ("stages.*.blocks.*.attn", "stages.*.blocks.*.mlp")
 
     def __init__(self, img_size: int | tuple[int, int] = 224, stem_patch_size: int = 7, stem_stride: int = 4,

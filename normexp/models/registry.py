@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import types
+import typing
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 _MODELS: dict[str, Callable[..., nn.Module]] = {}
@@ -26,3 +29,23 @@ def create_model(name: str, **kwargs) -> nn.Module:
     except KeyError:
         raise ValueError(f"unknown model '{name}'; available: {', '.join(list_models())}") from None
     return constructor(**kwargs)
+
+
+def model_classes(name: str) -> tuple[type, ...]:
+    """The classes ``create_model(name)`` may return, from its constructor's return annotation (a model
+    without one is built on the meta device)."""
+    constructor = _MODELS[name]
+    hint = typing.get_type_hints(constructor).get("return")
+    classes = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if all(isinstance(c, type) and issubclass(c, nn.Module) and c is not nn.Module for c in classes):
+        return classes
+    with torch.device("meta"):
+        return (type(constructor()),)
+
+
+def serving(need: str) -> list[str]:
+    """The registered models whose family serves ``need`` (their contract's ``serves``), by name."""
+    from .base import CLASSIFICATION
+
+    return [name for name in list_models()
+            if all(need in getattr(c, "serves", {CLASSIFICATION}) for c in model_classes(name))]

@@ -18,7 +18,7 @@ from timm.models import swin_transformer as timm_swin
 from torch import nn
 
 from ..norms.layout import TokenLayout
-from .base import Backbone, GridHook, NormContext
+from .base import CLASSIFICATION, DENSE_FEATURES, Backbone, GridHook, NormContext
 from .registry import register_model
 
 
@@ -49,6 +49,8 @@ class PadThenShiftBlock(timm_swin.SwinTransformerBlock):
 class Swin(timm_swin.SwinTransformer, Backbone):
     """timm's Swin that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
+    serves = frozenset({CLASSIFICATION, DENSE_FEATURES})
+    dense_weights = ("feature_norms.",)  # the official detection backbone's norm on each stage output
     residual_scales = ("layers.*.blocks.*.attn", "layers.*.blocks.*.mlp")
 
     def __init__(self, feature_norms: bool = False, **kwargs: Any) -> None:

@@ -23,7 +23,7 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 from torchvision.models.resnet import ResNet as TorchvisionResNet
 from torchvision.models.vgg import VGG as TorchvisionVGG
 
-from .base import Backbone, NormContext
+from .base import CLASSIFICATION, DENSE_FEATURES, Backbone, NormContext
 from .registry import register_model
 
 GROUPS = 32  # GroupNorm's group count in ResNet-50 (Wu & He 2018); the head count handed to each slot
@@ -52,6 +52,7 @@ def torchvision_init(model: nn.Module) -> None:
 class _ConvSlots(Backbone):
     """Each BatchNorm slot's channels and block, recorded at construction (they outlive the placement)."""
 
+    serves = frozenset({CLASSIFICATION, DENSE_FEATURES})
     _slot_channels: dict[str, int]
     _slot_blocks: dict[str, int | None]
 

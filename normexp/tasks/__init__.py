@@ -39,7 +39,8 @@ class Task:
 
     ``data``: the data configs it reads (empty: any). ``metrics(values)``: the metric names its evaluation
     reports for a resolved config (None: it does not train, and has no ``trainer.best_metric``).
-    ``dense``: its models take inputs of any size (the backbone's ``dense`` settings apply). ``starts_from``:
+    ``dense``: its models take inputs of any size (the backbone's ``dense`` settings apply) and read dense
+    features, which the backbone must serve (its contract's ``serves``). ``starts_from``:
     the config key that names the run it starts from, if any. ``backbone_weights(state, ema)``: the
     backbone's weights in a checkpoint of one of its runs (None: its checkpoints hold no backbone a run can
     start from or ``normexp analyze`` can rebuild). ``settings(values)``: its own settings a table's dry run

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch.nn.utils import parametrize
 from ..data import build_classification_data
 from ..engine.checkpoint import checkpoint_run_config, reported_weights
 from ..engine.evaluate import classification_metrics, count_predictions
+from ..engine.probes import Probe, get_probes
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..models import build_backbone
@@ -55,8 +57,9 @@ def training_loss(smoothing: float, mixup: Mixup | None) -> nn.Module:
 class ClassificationTrainer(Trainer):
     """The common loop with a classifier: Mixup/CutMix and the training loss above; top-1 / top-5."""
 
-    def __init__(self, cfg: Any, model: nn.Module, data: Any, record: RunRecord) -> None:
-        super().__init__(cfg, model, data, record)
+    def __init__(self, cfg: Any, model: nn.Module, data: Any, record: RunRecord,
+                 probes: Sequence[Probe] = ()) -> None:
+        super().__init__(cfg, model, data, record, probes)
         self.mixup = build_mixup(cfg, data.num_classes)
         self.train_loss = training_loss(cfg.smoothing, self.mixup)
 
@@ -147,7 +150,7 @@ def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
              record.summary["params"] / 1e6, record.summary["gmacs"])
     settings = cfg.task.get("robustness")
     robustness = settings is not None and settings.enabled
-    trainer = ClassificationTrainer(cfg.trainer, model, data, record)
+    trainer = ClassificationTrainer(cfg.trainer, model, data, record, get_probes(cfg.task.get("probes")))
     metrics = trainer.fit()
     record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
     if robustness:  # the final model, into this record

@@ -28,10 +28,6 @@ from .pretrained import HEAD, load_starting_weights, starting_weights
 
 log = logging.getLogger(__name__)
 
-# Weights detection adds to a backbone (they are not in its checkpoint): a plain model's simple pyramid,
-# Swin's per-stage output norms. A classifier head (HEAD) is kept, unused: loaded if the run has one.
-DENSE_ONLY_PREFIXES = ("pyramid.", "feature_norms.")
-
 
 class DetectionTrainer(Trainer):
     """The common loop with a detector: the loss is the sum of the detector's losses; COCOeval scores."""
@@ -125,7 +121,8 @@ def build_detection_model(cfg: Any, num_classes: int, record: RunRecord | None =
     options = cfg.task.get(cfg.task.detector)  # further torchvision arguments of this detector
     if cfg.task.pretrained:
         weights, which, _ = starting_weights(cfg.task.pretrained)
-        load_starting_weights(body, weights, cfg.task.pretrained, fresh=(*DENSE_ONLY_PREFIXES, *HEAD))
+        fresh = (*getattr(body, "dense_weights", ()), *HEAD)  # only in a dense build; a classifier head: kept
+        load_starting_weights(body, weights, cfg.task.pretrained, fresh=fresh)
         log.info("backbone weights: the %s model of %s", which, cfg.task.pretrained)
         if record is not None:
             record.update(pretrained_weights=which)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from .. import distributed
 from ..data import ImageSpec, build_classification_data
+from ..engine.probes import Probe, get_probes
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..models import backbone_arguments, build_model, create_model
@@ -190,8 +192,8 @@ class DINOTrainer(Trainer):
     """The common loop with DINO's teacher, loss, schedules and monitor."""
 
     def __init__(self, cfg: Any, student: MultiCropNetwork, teacher: MultiCropNetwork, data: Any,
-                 record: RunRecord, settings: Any) -> None:
-        super().__init__(cfg, student, data, record)
+                 record: RunRecord, settings: Any, probes: Sequence[Probe] = ()) -> None:
+        super().__init__(cfg, student, data, record, probes)
         self.settings = settings
         self.teacher = teacher.to(self.device)
         self.teacher.load_state_dict(self.module.state_dict())
@@ -265,7 +267,8 @@ def run_dino(cfg: Any, record: RunRecord) -> dict[str, Any]:
     log.info("DINO over %s with norm=%s: %.2fM params (backbone %.2fM), %d + %d views", cfg.backbone.name,
              cfg.norm.name, record.summary["params"] / 1e6, record.summary["backbone_params"] / 1e6, 2,
              cfg.task.local_crops)
-    trainer = DINOTrainer(cfg.trainer, student, teacher, data, record, cfg.task)
+    trainer = DINOTrainer(cfg.trainer, student, teacher, data, record, cfg.task,
+                          get_probes(cfg.task.get("probes")))
     metrics = trainer.fit()
     record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
     return metrics

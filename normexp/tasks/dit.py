@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,9 @@ from ..data import ImageSpec, build_classification_data
 from ..data.digits import digits_arrays
 from ..data.loaders import default_cache_dir, make_loader
 from ..diffusion import GaussianDiffusion, guided, spaced_steps
-from ..engine.alpha_probe import alpha_probe
 from ..engine.checkpoint import checkpoint_run_config, load_checkpoint, load_model_state, reported_weights
 from ..engine.precision import resolve_device
+from ..engine.probes import Forward, Probe, get_probes
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..metrics.fid import frechet_distance, inception_score, load_reference, statistics
@@ -156,8 +157,8 @@ class DiTTrainer(Trainer):
     minimized = ("loss",)
 
     def __init__(self, cfg: Any, model: nn.Module, data: Any, record: RunRecord, diffusion: GaussianDiffusion,
-                 codec: LatentCodec | None, seed: int) -> None:
-        super().__init__(cfg, model, data, record)
+                 codec: LatentCodec | None, seed: int, probes: Sequence[Probe] = ()) -> None:
+        super().__init__(cfg, model, data, record, probes)
         self.diffusion, self.seed = diffusion, seed
         self.codec = codec.to(self.device) if codec is not None else None
 
@@ -198,8 +199,8 @@ class DiTTrainer(Trainer):
         model.train()
         return {f"{prefix}/loss": float(total[0] / total[1])}
 
-    def probe(self) -> dict[str, float]:
-        """DyT's alpha per layer, on the probe images noised halfway with fixed noise."""
+    def probe_forward(self) -> Forward:
+        """The probe images noised halfway with fixed noise."""
         model, generator = self.module, self.generator(1)
 
         def forward(images: torch.Tensor) -> Any:
@@ -208,7 +209,7 @@ class DiTTrainer(Trainer):
             xt = self.diffusion.q_sample(x, t, torch.randn(x.shape, generator=generator).to(x.device))
             return model(xt, t, torch.zeros(len(x), dtype=torch.long, device=x.device))
 
-        return alpha_probe(model, self.data.val, forward)
+        return forward
 
 
 # ---------------------------------------------------------------- sampling and scoring
@@ -444,7 +445,8 @@ def run_dit(cfg: Any, record: RunRecord) -> dict[str, Any]:
     if cfg.task.latent_cache:
         data = with_latent_cache(cfg, data, codec)
     diffusion = GaussianDiffusion.create(cfg.task.diffusion_steps)
-    trainer = DiTTrainer(cfg.trainer, model, data, record, diffusion, codec, cfg.seed)
+    trainer = DiTTrainer(cfg.trainer, model, data, record, diffusion, codec, cfg.seed,
+                         get_probes(cfg.task.get("probes")))
     metrics = trainer.fit()
     weights = trainer.ema.module if trainer.ema is not None and cfg.trainer.ema.reported else trainer.module
     prefix = "ema/val" if weights is not trainer.module else "val"

@@ -6,6 +6,7 @@ configured backbone. Each evaluation reports ``val/loss`` with fixed masks and w
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,8 @@ from torchvision.transforms import InterpolationMode, v2
 
 from .. import distributed
 from ..data import ImageSpec, build_classification_data
-from ..engine.alpha_probe import alpha_probe, probe_batch
+from ..engine.alpha_probe import probe_batch
+from ..engine.probes import Forward, Probe, get_probes
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..models import backbone_arguments, build_model, create_model
@@ -105,8 +107,8 @@ class MAETrainer(Trainer):
     model: nn.Module
 
     def __init__(self, cfg: Any, model: MaskedAutoencoder, data: Any, record: RunRecord, settings: Any,
-                 seed: int) -> None:
-        super().__init__(cfg, model, data, record)
+                 seed: int, probes: Sequence[Probe] = ()) -> None:
+        super().__init__(cfg, model, data, record, probes)
         self.settings, self.seed = settings, seed
 
     def masks(self, stream: int) -> torch.Generator:
@@ -152,8 +154,8 @@ class MAETrainer(Trainer):
         self.record.log_image("reconstructions", reconstruction_grid(model, images, mask, prediction, scale),
                               step=self.update, epoch=self.epoch + 1)
 
-    def probe(self) -> dict[str, float]:
-        """DyT's alpha per layer, the probe batch masked with fixed noise (no random number drawn)."""
+    def probe_forward(self) -> Forward:
+        """The probe batch masked with fixed noise (no random number drawn)."""
         model = self.module
         generator = self.masks(2)
 
@@ -161,7 +163,7 @@ class MAETrainer(Trainer):
             noise = torch.rand(len(images), model.grid[0] * model.grid[1], generator=generator)
             return model(images, noise.to(images.device))
 
-        return alpha_probe(model, self.data.val, forward)
+        return forward
 
 
 def run_mae(cfg: Any, record: RunRecord) -> dict[str, Any]:
@@ -172,7 +174,8 @@ def run_mae(cfg: Any, record: RunRecord) -> dict[str, Any]:
     log.info("MAE over %s with norm=%s: %.2fM params (encoder %.2fM), mask ratio %.2f", cfg.backbone.name,
              cfg.norm.name, record.summary["params"] / 1e6, record.summary["encoder_params"] / 1e6,
              cfg.task.mask_ratio)
-    trainer = MAETrainer(cfg.trainer, model, data, record, cfg.task, cfg.seed)
+    trainer = MAETrainer(cfg.trainer, model, data, record, cfg.task, cfg.seed,
+                         get_probes(cfg.task.get("probes")))
     metrics = trainer.fit()
     record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
     return metrics

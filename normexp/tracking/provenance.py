@@ -28,12 +28,13 @@ NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress
                      "norm.model_defaults")
 # Options added after runs were made, left out of a run's identity while they hold the value that computes
 # what was computed before the option existed, so those runs keep theirs: trial (a deliberate repeat),
-# trainer.decay_epochs (sched=step's
-# interval; null: timm's default), trainer.lr_factor (1: the recipe's lr, written 1 or 1.0), and the ViTs'
-# norm placement options (configs/backbone/family/vit.yaml) at the plain Pre-LN ViT.
+# trainer.decay_epochs (sched=step's interval; null: timm's default), trainer.lr_factor (1: the recipe's
+# lr), the ViTs' norm placement options (configs/backbone/family/vit.yaml) at the plain Pre-LN ViT, and
+# task.probes at [alpha] (the per-epoch alpha rows every training run logged before probes were per task).
 IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "trainer.lr_factor": 1.0,
                                      "backbone.norm_position": "pre", "backbone.qk_norm": False,
-                                     "backbone.layer_scale": None, "backbone.normformer": False}
+                                     "backbone.layer_scale": None, "backbone.normformer": False,
+                                     "task.probes": ["alpha"]}
 
 
 def seed_everything(seed: int) -> None:
