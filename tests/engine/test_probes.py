@@ -7,13 +7,13 @@ import pytest
 from conftest import compose_cfg, quick_cfg
 from omegaconf import OmegaConf
 
-from normexp.config import validate
 from normexp.data import build_classification_data
 from normexp.engine.alpha_probe import ALPHA_KEY, STD_KEY
 from normexp.engine.probes import PROBES, get_probes
 from normexp.engine.trainer import Trainer
 from normexp.errors import UserError
 from normexp.models import build_backbone
+from normexp.preflight import validate
 from normexp.run import run
 from normexp.tasks.classification import ClassificationTrainer
 from normexp.tracking.provenance import config_hash
