@@ -31,7 +31,7 @@ def test_a_sweep_through_submitits_local_executor(tmp_path):
     out = run_cli("-m", "launcher=submitit_local", "seed=0,1", "trainer.epochs=1", "logger=none",
                   "trainer.progress=false", env={"NORMEXP_OUTPUT_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
-    summaries = [json.loads(p.read_text()) for p in tmp_path.glob("classification/multirun/**/summary.json")]
+    summaries = [json.loads(p.read_text()) for p in tmp_path.glob("classification/*/summary.json")]
     assert sorted(s["seed"] for s in summaries) == [0, 1]
     assert all(s["status"] == "completed" for s in summaries)
-    assert list(tmp_path.glob("classification/multirun/**/.submitit"))
+    assert list(tmp_path.glob("multirun/*/*/.submitit"))  # the sweep's own files: Hydra's

@@ -137,7 +137,7 @@ def test_demo_command_line_records_coco_metrics(tmp_path):
     out = run_cli("task=detection", *TINY, "data.num_train=8", "trainer.epochs=1", "trainer.eval_interval=1",
                   "logger=wandb", env={"NORMEXP_OUTPUT_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
-    run = next((tmp_path / "detection").glob("*/*"))
+    run = next((tmp_path / "detection").glob("*/summary.json")).parent
     summary = read_summary(run)
     assert summary["status"] == "completed" and summary["task"] == "detection"
     final = summary["metrics"]["final"]
@@ -296,7 +296,7 @@ def test_demo_reaches_the_acceptance_ap(tmp_path):
     out = run_cli("task=detection", "data=coco_digits", env={"NORMEXP_OUTPUT_DIR": str(tmp_path)},
                   timeout=1500)
     assert out.returncode == 0, out.stderr[-2000:]
-    summary = read_summary(next((tmp_path / "detection").glob("*/*")))
+    summary = read_summary(next((tmp_path / "detection").glob("*/summary.json")).parent)
     final = summary["metrics"]["final"]
     print(f"detection demo: bbox AP {final['val/bbox_AP']:.3f} in {summary['wall_time_s']:.0f} s")
     assert final["val/bbox_AP"] >= 0.3
@@ -309,6 +309,6 @@ def test_mask_rcnn_learns_masks(tmp_path):
                   "trainer.decay_milestones=[3,4]", "trainer.eval_interval=4", "logger=none",
                   env={"NORMEXP_OUTPUT_DIR": str(tmp_path)}, timeout=1200)
     assert out.returncode == 0, out.stderr[-2000:]
-    final = read_summary(next((tmp_path / "detection").glob("*/*")))["metrics"]["final"]
+    final = read_summary(next((tmp_path / "detection").glob("*/summary.json")).parent)["metrics"]["final"]
     print(f"mask_rcnn short: bbox AP {final['val/bbox_AP']:.3f}, segm AP {final['val/segm_AP']:.3f}")
     assert final["val/bbox_AP"] > 0.05 and final["val/segm_AP"] > 0.05
