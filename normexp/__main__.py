@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -29,18 +28,12 @@ composed = False  # from here on, an exception is the run's, not the command lin
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def run_app(cfg: DictConfig) -> float | None:
-    from .run import run  # heavy imports after Hydra has parsed the command line (fast --help/--cfg)
+    from .run import Outcome, run  # heavy imports after Hydra has parsed the command line (fast --help/--cfg)
 
     global composed
-    composed, hydra_cfg, decided = True, HydraConfig.get(), {}
-
-    def on_decided(run_dir: Path, starts: bool) -> None:
-        decided.update(run_dir=run_dir, started=starts)
-        if starts:
-            said.save_hydra_files(cfg, hydra_cfg, run_dir / ".hydra")
-
+    composed, hydra_cfg, outcome = True, HydraConfig.get(), Outcome()
     try:
-        summary = run(cfg, on_decided=on_decided)
+        summary = run(cfg, outcome=outcome, beside=said.hydra_files(cfg, hydra_cfg))
     except (UserError, OSError) as e:
         error = e if isinstance(e, UserError) else storage_error(e)
         if error is None:  # not the user's to fix
@@ -52,11 +45,11 @@ def run_app(cfg: DictConfig) -> float | None:
         sys.exit(2)
     except (Interrupted, KeyboardInterrupt) as e:
         code = 128 + e.signum if isinstance(e, Interrupted) else 130
-        if decided:  # process 0
+        if outcome.run_dir is not None:  # process 0
             why = str(e) or "Ctrl-C twice"
-            print(f"interrupted: {why} in {decided['run_dir']}; {said.continue_hint(cfg)}", file=sys.stderr)
+            print(f"interrupted: {why} in {outcome.run_dir}; {said.continue_hint(cfg)}", file=sys.stderr)
         sys.exit(code)
-    return said.report(cfg, summary, decided["run_dir"], decided["started"]) if decided else None
+    return said.report(cfg, summary, outcome.run_dir, outcome.started) if outcome.run_dir else None
 
 
 def main() -> None:

@@ -32,12 +32,11 @@ def refuse_directory_overrides(arguments: list[str]) -> None:
                         "config: another seed, or trial=<n>)")
 
 
-def save_hydra_files(cfg: DictConfig, hydra_cfg: Any, where: Path) -> None:
-    """What Hydra writes into ``.hydra/`` (the composed config, Hydra's own, the overrides)."""
-    where.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, where / "config.yaml")
-    OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), where / "hydra.yaml")
-    OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), where / "overrides.yaml")
+def hydra_files(cfg: DictConfig, hydra_cfg: Any) -> dict[str, str]:
+    """What Hydra writes into a run's ``.hydra/`` (the composed config, Hydra's own, the overrides)."""
+    return {".hydra/config.yaml": OmegaConf.to_yaml(cfg),
+            ".hydra/hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})),
+            ".hydra/overrides.yaml": OmegaConf.to_yaml(OmegaConf.create(list(hydra_cfg.overrides.task)))}
 
 
 def report(cfg: DictConfig, summary: dict[str, Any], run_dir: Path, started: bool) -> float | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import glob
 import importlib
 import logging
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,15 +178,24 @@ def claim(run_dir: Path, config: dict[str, Any], resume: str | None) -> tuple[St
 
 
 # ---------------------------------------------------------------- the run
-def run(cfg: DictConfig, directory: str | Path | None = None,
-        on_decided: Callable[[Path, bool], None] | None = None) -> dict[str, Any]:
+@dataclass
+class Outcome:
+    """Where the run's record is, and whether this command started (or continued) it or found it done."""
+
+    run_dir: Path | None = None
+    started: bool = False
+
+
+def run(cfg: DictConfig, directory: str | Path | None = None, outcome: Outcome | None = None,
+        beside: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``cfg.task`` into its record (in ``directory``; default: the one its identity names) and return
     the summary -- the existing one when the run was already done.
 
     Divergence is a result: the record ends ``diverged`` and this returns normally (a sweep carries on). A
     stop signal or Ctrl-C ends it ``interrupted`` after the trainer's checkpoint (:class:`Interrupted`
-    propagates). ``on_decided(run_dir, starts)`` is called on process 0 once the start is decided, before
-    anything is written (the entry point puts Hydra's files there).
+    propagates). ``beside``: files (relative path -> text) process 0 writes into the run's directory when
+    the run starts (the entry point's copy of Hydra's files); ``outcome`` is filled in once the start is
+    decided, for the caller to report where the record is, even when the run is interrupted.
     """
     validate(cfg)
     task = get_task(cfg.task.name)
@@ -210,12 +218,15 @@ def run(cfg: DictConfig, directory: str | Path | None = None,
             raise refusal if refusal is not None else UserError(why)
         cfg = prepared
         try:
-            if world.is_main and on_decided is not None:
-                on_decided(run_dir, kind != "done")
+            if outcome is not None and world.is_main:
+                outcome.run_dir, outcome.started = run_dir, kind != "done"
             if kind == "done":
                 return start.summary if start else read_summary(run_dir)
             with run_log(run_dir) if world.is_main else nullcontext():
                 if world.is_main:
+                    for name, text in (beside or {}).items():
+                        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+                        (run_dir / name).write_text(text)
                     for path in remove_stale_temporaries(run_dir):
                         log.info("removed %s (left by a process killed while writing it)", path.name)
                 # every process its own augmentation; DDP shares process 0's

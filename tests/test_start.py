@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from normexp.engine.trainer import Trainer
 from normexp.errors import Interrupted, UserError
-from normexp.run import claim, run
+from normexp.run import Outcome, claim, run
 from normexp.tracking import lock as lock_module
 from normexp.tracking.lock import RunBusy, RunLock, read_owner
 from normexp.tracking.provenance import config_hash
@@ -263,6 +263,18 @@ def test_a_runs_identity_names_its_directory(tmp_path):
     assert run_dir({k: v for k, v in config.items() if k != "trial"}, tmp_path) == home  # made before trial=
     others = {run_dir({**config, "seed": 1}, tmp_path), run_dir({**config, "trial": 1}, tmp_path)}
     assert len(others | {home}) == 3
+
+
+def test_the_caller_learns_where_the_record_is_and_its_files_go_there_only_when_the_run_starts(tmp_path):
+    """What the command reports (its record, or already done); Hydra's files beside the record."""
+    files = {".hydra/overrides.yaml": "- seed=0\n"}
+    started, again = Outcome(), Outcome()
+    run(quick_cfg(), tmp_path / "run", outcome=started, beside=files)
+    assert (started.run_dir, started.started) == (tmp_path / "run", True)
+    assert (tmp_path / "run" / ".hydra" / "overrides.yaml").read_text() == "- seed=0\n"
+    before = digest(tmp_path / "run")
+    run(quick_cfg(), tmp_path / "run", outcome=again, beside={"other.yaml": "x"})
+    assert (again.run_dir, again.started) == (tmp_path / "run", False) and digest(tmp_path / "run") == before
 
 
 def test_json_is_written_through_a_synced_temporary_of_its_own(tmp_path, monkeypatch):
