@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import CONFIG_DIR
 from . import command_line as said
+from .code_defaults import register
 from .errors import Interrupted, UserError, one_line, storage_error
 
 COMMANDS = {"table": "normexp.tables.cli", "compare": "normexp.compare", "dashboard": "normexp.dashboard",
@@ -62,6 +63,7 @@ def main() -> None:
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra's errors reach us whole: one line each, below
     try:
         said.refuse_directory_overrides(sys.argv[1:])
+        register()  # the code's defaults, which the yaml files compose
         run_app()
     except UserError as e:  # a job of a sweep (already reported by it)
         if not getattr(e, "reported", False):

@@ -276,8 +276,8 @@ def _omegaconf_type(annotation: Any) -> Any:
 
 def norm_schema(name: str) -> type | None:
     """The schema of ``norm=<name>``: its options' types and checks from the normalizer's constructor (their
-    values from its yaml), plus ``placement`` and ``model_defaults`` (what it suggests to the models it goes
-    into, read by their configs)."""
+    values: the constructor's defaults, ``norm/code/<name>``, and what its yaml states), plus ``placement``
+    and ``model_defaults`` (what it suggests to the models it goes into, read by their configs)."""
     from .norms.registry import hyperparameters
 
     options = hyperparameters(name)

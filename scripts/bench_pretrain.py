@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose
 from omegaconf import DictConfig
 from timm.optim import create_optimizer_v2
 from torch import nn
@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_norms import cpu_name  # noqa: E402
 
+from normexp.code_defaults import config_tree  # noqa: E402
 from normexp.models import build_backbone  # noqa: E402
 from normexp.norms import kernels  # noqa: E402
 from normexp.tasks.dino import DINOLoss, build_network  # noqa: E402
@@ -49,7 +50,7 @@ MAE_TARGET = 2.5  # MAE's images/s over the supervised step's, at least
 
 
 def compose_cfg(*overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+    with config_tree():
         return compose(config_name="train", overrides=list(overrides))
 
 

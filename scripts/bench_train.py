@@ -45,7 +45,7 @@ from pathlib import Path
 
 import timm
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader, TensorDataset
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from normexp.code_defaults import config_tree  # noqa: E402
 from normexp.data.loaders import ClassificationData  # noqa: E402
 from normexp.models import build_backbone  # noqa: E402
 from normexp.norms import kernels  # noqa: E402
@@ -82,7 +83,7 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def compose_cfg(*overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+    with config_tree():
         return compose(config_name="train", overrides=list(overrides))
 
 

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from hydra import compose, initialize_config_dir
+from hydra import compose
 from omegaconf import DictConfig, open_dict
 from torch import nn
 
+from normexp.code_defaults import config_tree
 from normexp.tables.plan import memoized
 from normexp.tracking.provenance import config_hash
 
@@ -32,7 +33,7 @@ CONFIG_DIR = str(ROOT / "configs")
 
 
 def _compose_train(overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with config_tree():
         return compose(config_name="train", overrides=overrides)
 
 

@@ -1,6 +1,7 @@
 """Config values that restate a default of the code (the yaml states only what differs): a norm yaml value
-equal to its normalizer constructor's default, a data yaml value equal to its dataset schema's default, a
-backbone yaml value equal to its model constructor's default. ``PYTHONPATH=. python
+equal to its normalizer constructor's default, a data yaml value equal to its dataset schema's default (the
+schemas hold none: the data yamls are the one source), a backbone yaml value equal to its model constructor's
+default. ``PYTHONPATH=. python
 tests/restated_defaults.py`` prints them and their count per group."""
 
 from __future__ import annotations
@@ -45,16 +46,10 @@ def _statements(path: Path) -> dict[str, Any]:
 
 
 def norm_defaults(name: str) -> dict[str, Any]:
-    """The defaults of ``norm=<name>``'s schema (:func:`normexp.config.norm_schema`)."""
-    from normexp.config import norm_schema
+    """What ``norm=<name>``'s yaml composes first: its constructor's defaults (``norm/code/<name>``)."""
+    from normexp.code_defaults import norm_defaults as code
 
-    return _defaults(norm_schema(name))
-
-
-def norm_constructor_defaults(name: str) -> dict[str, Any]:
-    from normexp.norms.registry import hyperparameters
-
-    return {o.name: o.default for o in hyperparameters(name) or [] if o.default is not MISSING}
+    return code(name) or {}
 
 
 def data_defaults(name: str) -> dict[str, Any]:
@@ -138,15 +133,12 @@ def _backbone_files() -> dict[Path, list[str]]:
 
 def restatements() -> dict[str, list[str]]:
     """``group -> ["<file>: <key>=<value>", ...]``: every statement that equals the code's default (in a
-    family file: the default of every size that reads it, unless a size file states the key itself); and,
-    for comparison, ``norm_constructor``: the norm yamls' values equal to their constructors' defaults."""
-    found: dict[str, list[str]] = {"norm": [], "data": [], "backbone": [], "norm_constructor": []}
-    for group, defaults in (("norm", norm_defaults), ("data", data_defaults),
-                            ("norm_constructor", norm_constructor_defaults)):
-        folder = group.split("_")[0]
-        for path in sorted((CONFIGS / folder).glob("*.yaml")):
+    family file: the default of every size that reads it, unless a size file states the key itself)."""
+    found: dict[str, list[str]] = {"norm": [], "data": [], "backbone": []}
+    for group, defaults in (("norm", norm_defaults), ("data", data_defaults)):
+        for path in sorted((CONFIGS / group).glob("*.yaml")):
             code = defaults(path.stem)
-            found[group] += [f"{folder}/{path.name}: {k}={v}" for k, v in _statements(path).items()
+            found[group] += [f"{group}/{path.name}: {k}={v}" for k, v in _statements(path).items()
                              if k in code and _same(v, code[k])]
     code = {}
     for path, names in _backbone_files().items():

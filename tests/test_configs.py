@@ -144,15 +144,32 @@ def test_dyt_recipe_builds_each_model_as_its_paper(backbone):
         assert type(model.fc_norm).__name__ == "DyT" and isinstance(model.norm, torch.nn.Identity)
 
 
-def test_no_yaml_value_restates_a_schema_default():
-    """A group's values have one source, its yaml (every option stated there, so that it can be overridden
-    and is part of each run's identity): the schemas hold types and checks, no default to restate. The
-    backbone yamls state the model constructors' values they make options of: their number does not grow."""
+def test_no_yaml_value_restates_a_code_default():
+    """Each value has one source: a normalizer's options are its constructor's defaults (composed as
+    ``norm/code/<name>``) and its yaml states what differs; the data schemas hold types and checks, the data
+    yamls every value. The backbone yamls state the model constructors' values they make options of: their
+    number does not grow."""
     from restated_defaults import restatements
 
     found = restatements()
     assert found["norm"] == [] and found["data"] == []
     assert len(found["backbone"]) <= 94, found["backbone"]
+
+
+def test_every_normalizer_option_is_in_the_config_at_its_constructors_default():
+    """A norm yaml composes ``norm/code/<name>`` first: every option is overridable without ``+`` and holds
+    the constructor's default unless the yaml states otherwise."""
+    from normexp.code_defaults import norm_defaults
+
+    for path in sorted(Path(CONFIG_DIR, "norm").glob("*.yaml")):
+        norm, stated = compose_cfg(f"norm={path.stem}").norm, OmegaConf.load(path)
+        for option, default in (norm_defaults(path.stem) or {}).items():
+            assert option in stated or norm[option] == default, f"norm={path.stem}: {option}"
+    cfg = compose_cfg("norm=ln", "norm.affine=false")  # stated in no yaml
+    with torch.device("meta"):
+        model = build_backbone(cfg.backbone, cfg.norm)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert norms and all(m.weight is None for m in norms)
 
 
 def test_t2t_data_as_its_code_resolves_it():

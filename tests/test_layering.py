@@ -15,6 +15,7 @@ LAYERS = [
     {"tracking", "metrics", "norms", "plugins"},
     {"config"},  # the schema: a leaf, below everything that reads a config
     {"models", "data", "diffusion"},
+    {"code_defaults"},  # the code's defaults as Hydra config nodes, registered before every composition
     {"engine"},
     {"tasks"},
     {"preflight"},  # the checks before any work: the schema, and what each task needs, asked of its registry
@@ -137,7 +138,8 @@ def test_an_upward_import_is_found(tmp_path):
     with (tmp_path / "normexp" / "data" / "loaders.py").open("a") as f:
         f.write("\nfrom ..engine import trainer\n")
     assert upward_imports(tmp_path) == [
-        "normexp.data.loaders -> normexp.engine (data, layer 3 -> engine, layer 4)"]
+        f"normexp.data.loaders -> normexp.engine (data, layer {LEVEL['data']} -> engine, "
+        f"layer {LEVEL['engine']})"]
 
 
 def test_no_import_cycles():

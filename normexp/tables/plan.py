@@ -323,10 +323,9 @@ def hydra_composer(hydra_overrides: Iterable[str] = ()) -> Iterator[ComposeFn]:
     """A compose function for ``configs/train.yaml`` that composes as the command line would: with
     ``hydra_overrides`` (e.g. ``hydra.searchpath=[file://<dir>/configs]``, where a user's own options are)
     before each job's, as Hydra's launchers compose a sweep's jobs."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from hydra import compose
 
-    from .. import CONFIG_DIR
+    from ..code_defaults import config_tree
 
     first = list(hydra_overrides)
     compose_once = memoized(lambda overrides: compose(config_name="train", overrides=overrides))
@@ -334,8 +333,5 @@ def hydra_composer(hydra_overrides: Iterable[str] = ()) -> Iterator[ComposeFn]:
     def compose_train(overrides: list[str]) -> DictConfig:
         return compose_once([*first, *overrides])
 
-    if GlobalHydra.instance().is_initialized():
-        yield compose_train
-        return
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+    with config_tree():
         yield compose_train

@@ -104,16 +104,12 @@ def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
 
 def _shipped_backbone(name: str) -> dict[str, Any]:
     """``backbone=<name>`` as the config tree composes it (its family file included), unresolved."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from hydra import compose
 
-    def composed() -> dict[str, Any]:
+    from ..code_defaults import config_tree
+
+    with config_tree():
         return OmegaConf.to_container(compose(config_name=f"backbone/{name}").backbone)
-
-    if GlobalHydra.instance().is_initialized():  # inside the command line's Hydra app
-        return composed()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return composed()
 
 
 def build_detection_model(cfg: Any, num_classes: int, record: RunRecord | None = None) -> nn.Module:

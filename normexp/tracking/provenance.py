@@ -29,12 +29,15 @@ NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress
 # Options added after runs were made, left out of a run's identity while they hold the value that computes
 # what was computed before the option existed, so those runs keep theirs: trial (a deliberate repeat),
 # trainer.decay_epochs (sched=step's interval; null: timm's default), trainer.lr_factor (1: the recipe's
-# lr), the ViTs' norm placement options (configs/backbone/family/vit.yaml) at the plain Pre-LN ViT, and
-# task.probes at [alpha] (the per-epoch alpha rows every training run logged before probes were per task).
+# lr), the ViTs' norm placement options (configs/backbone/family/vit.yaml) at the plain Pre-LN ViT,
+# task.probes at [alpha] (the per-epoch alpha rows every training run logged before probes were per task),
+# and the normalizer options the config shows since it takes them from the constructors (at their defaults).
 IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "trainer.lr_factor": 1.0,
                                      "backbone.norm_position": "pre", "backbone.qk_norm": False,
                                      "backbone.layer_scale": None, "backbone.normformer": False,
-                                     "task.probes": ["alpha"]}
+                                     "task.probes": ["alpha"], "norm.affine": True,
+                                     "norm.track_running_stats": True, "norm.separable": True,
+                                     "norm.unbiased": True, "norm.per_channel": True}
 
 
 def seed_everything(seed: int) -> None:
