@@ -2,8 +2,9 @@
 
 ``norm/code/<name>`` holds normalizer ``<name>``'s constructor options at their defaults; a norm yaml composes
 it first (``defaults: [code/<name>@_here_, ...]``), so ``norm.<option>=`` overrides every option without
-``+``. :func:`register` stores them in Hydra's ConfigStore; every composition runs after it: the training
-command calls it, and :func:`config_tree` composes with it (the table planner, the tests).
+``+``. ``backbone/code/<name>`` holds the size settings a model's constructor declares (a DiT size's width,
+depth, heads and patch). :func:`register` stores them in Hydra's ConfigStore; every composition runs after
+it: the training command calls it, and :func:`config_tree` composes with it (the table planner, the tests).
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 
 from . import CONFIG_DIR
+from .models import registry as models
 from .norms import registry as norms
 
 
 def _plain(value: Any, where: str) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v, f"{where}, {k}") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v, where) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -45,6 +49,10 @@ def register() -> None:
         defaults = norm_defaults(name)
         if defaults is not None:
             store.store(group="norm/code", name=name, node=defaults)
+    for name in models.list_models():
+        declared = models.settings(name)
+        if declared:
+            store.store(group="backbone/code", name=name, node=_plain(declared, f"model {name}"))
 
 
 @contextmanager

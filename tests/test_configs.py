@@ -147,13 +147,14 @@ def test_dyt_recipe_builds_each_model_as_its_paper(backbone):
 def test_no_yaml_value_restates_a_code_default():
     """Each value has one source: a normalizer's options are its constructor's defaults (composed as
     ``norm/code/<name>``) and its yaml states what differs; the data schemas hold types and checks, the data
-    yamls every value. The backbone yamls state the model constructors' values they make options of: their
-    number does not grow."""
+    yamls every value. A model whose constructor declares its size settings (DiT) has them composed as
+    ``backbone/code/<name>``; the other backbone yamls still state constructor values they make options of:
+    their number does not grow."""
     from restated_defaults import restatements
 
     found = restatements()
     assert found["norm"] == [] and found["data"] == []
-    assert len(found["backbone"]) <= 94, found["backbone"]
+    assert len(found["backbone"]) <= 42, found["backbone"]
 
 
 def test_every_normalizer_option_is_in_the_config_at_its_constructors_default():
@@ -170,6 +171,18 @@ def test_every_normalizer_option_is_in_the_config_at_its_constructors_default():
         model = build_backbone(cfg.backbone, cfg.norm)
     norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
     assert norms and all(m.weight is None for m in norms)
+
+
+def test_a_models_declared_size_settings_are_its_configs_defaults():
+    """A backbone yaml composes ``backbone/code/<name>`` first: the settings its constructor declares."""
+    from normexp.models.registry import settings
+
+    declared = {path: settings(path.stem) for path in sorted(Path(CONFIG_DIR, "backbone").glob("*.yaml"))}
+    assert any(declared.values())
+    for path, values in declared.items():
+        backbone, stated = compose_cfg(f"backbone={path.stem}", "task=dit").backbone, OmegaConf.load(path)
+        for key, value in values.items():
+            assert key in stated or backbone[key] == value, f"backbone={path.stem}: {key}"
 
 
 def test_t2t_data_as_its_code_resolves_it():

@@ -185,21 +185,18 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def _register(size: str, patch: int) -> None:
+def _register(name: str, settings: dict[str, Any], doc: str) -> None:
     def constructor(**kwargs: Any) -> DiT:
-        return DiT(**{**SIZES[size], "patch_size": patch, **kwargs})
+        return DiT(**{**settings, **kwargs})
 
-    constructor.__name__ = f"dit_{size}{patch}"
-    constructor.__doc__ = f"DiT-{size.upper()}/{patch} (Peebles & Xie 2023, Table 1)."
+    constructor.__name__, constructor.__doc__ = name, doc
+    constructor.settings = settings  # type: ignore[attr-defined]  (what its yaml composes: registry.settings)
     register_model(constructor)
 
 
 for _size in SIZES:
     for _patch in (2, 4, 8):
-        _register(_size, _patch)
-
-
-@register_model
-def dit_micro(**kwargs: Any) -> DiT:
-    """The CPU member: DiT's architecture at 96 wide, 4 blocks, 4 heads, 2 px patches."""
-    return DiT(**{"hidden_size": 96, "depth": 4, "num_heads": 4, "patch_size": 2, **kwargs})
+        _register(f"dit_{_size}{_patch}", {**SIZES[_size], "patch_size": _patch},
+                  f"DiT-{_size.upper()}/{_patch} (Peebles & Xie 2023, Table 1).")
+_register("dit_micro", {"hidden_size": 96, "depth": 4, "num_heads": 4, "patch_size": 2},
+          "The CPU member: DiT's architecture at 96 wide, 4 blocks, 4 heads, 2 px patches.")

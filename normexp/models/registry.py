@@ -5,6 +5,7 @@ from __future__ import annotations
 import types
 import typing
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +18,12 @@ def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         raise ValueError(f"model '{fn.__name__}' is registered twice")
     _MODELS[fn.__name__] = fn
     return fn
+
+
+def settings(name: str) -> dict[str, Any]:
+    """The size settings model ``name``'s constructor passes its class, where it declares them (its
+    ``settings`` attribute): the code's defaults its yaml composes (``backbone/code/<name>``)."""
+    return dict(getattr(_MODELS[name], "settings", {}))
 
 
 def list_models() -> list[str]:
