@@ -19,7 +19,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import CONFIG_DIR
 from . import command_line as said
-from .code_defaults import register
 from .errors import Interrupted, UserError, one_line, storage_error
 
 COMMANDS = {"table": "normexp.tables.cli", "compare": "normexp.compare", "dashboard": "normexp.dashboard",
@@ -29,7 +28,7 @@ composed = False  # from here on, an exception is the run's, not the command lin
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def run_app(cfg: DictConfig) -> float | None:
-    from .run import Outcome, run  # heavy imports after Hydra has parsed the command line (fast --help/--cfg)
+    from .run import Outcome, run  # the run's imports once Hydra has composed (not for --cfg, --help)
 
     global composed
     composed, hydra_cfg, outcome = True, HydraConfig.get(), Outcome()
@@ -63,7 +62,9 @@ def main() -> None:
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra's errors reach us whole: one line each, below
     try:
         said.refuse_directory_overrides(sys.argv[1:])
-        register()  # the code's defaults, which the yaml files compose
+        from .code_defaults import register  # the code's defaults the yaml files compose (imports the models)
+
+        register()
         run_app()
     except UserError as e:  # a job of a sweep (already reported by it)
         if not getattr(e, "reported", False):
