@@ -2,9 +2,10 @@
 
 ``norm/code/<name>`` holds normalizer ``<name>``'s constructor options at their defaults; a norm yaml composes
 it first (``defaults: [code/<name>@_here_, ...]``), so ``norm.<option>=`` overrides every option without
-``+``. ``backbone/code/<name>`` holds the size settings a model's constructor declares (a DiT size's width,
-depth, heads and patch). :func:`register` stores them in Hydra's ConfigStore; every composition runs after
-it: the training command calls it, and :func:`config_tree` composes with it (the table planner, the tests).
+``+``. ``backbone/code/<name>`` holds the options model ``<name>``'s family shows (``config_options``) at the
+values its constructor builds with; a size yaml composes it after its family. :func:`register` stores them in
+Hydra's ConfigStore; every composition runs after it: the training command calls it, and
+:func:`config_tree` composes with it (the table planner, the tests).
 """
 
 from __future__ import annotations
@@ -50,9 +51,8 @@ def register() -> None:
         if defaults is not None:
             store.store(group="norm/code", name=name, node=defaults)
     for name in models.list_models():
-        declared = models.settings(name)
-        if declared:
-            store.store(group="backbone/code", name=name, node=_plain(declared, f"model {name}"))
+        node = _plain(models.config_defaults(name), f"model {name}")
+        store.store(group="backbone/code", name=name, node=node)
 
 
 @contextmanager

@@ -1,8 +1,7 @@
 """Config values that restate a default of the code (the yaml states only what differs): a norm yaml value
 equal to its normalizer constructor's default, a data yaml value equal to its dataset schema's default (the
 schemas hold none: the data yamls are the one source), a backbone yaml value equal to its model constructor's
-default. ``PYTHONPATH=. python
-tests/restated_defaults.py`` prints them and their count per group."""
+default. ``PYTHONPATH=. python tests/restated_defaults.py`` prints them and their count per group."""
 
 from __future__ import annotations
 
@@ -112,7 +111,7 @@ def backbone_defaults(name: str) -> dict[str, Any]:
     return found
 
 
-def _backbone_files() -> dict[Path, list[str]]:
+def backbone_files() -> dict[Path, list[str]]:
     """Each backbone yaml and the backbones (size files) whose composition reads it: a size file its own
     name, a family file every size that composes it (directly or through another family)."""
     composes: dict[Path, list[Path]] = {}
@@ -141,7 +140,7 @@ def restatements() -> dict[str, list[str]]:
             found[group] += [f"{group}/{path.name}: {k}={v}" for k, v in _statements(path).items()
                              if k in code and _same(v, code[k])]
     code = {}
-    for path, names in _backbone_files().items():
+    for path, names in backbone_files().items():
         for key, value in _statements(path).items():
             sizes = [n for n in names if path.parent.name != "family"
                      or key not in _statements(CONFIGS / "backbone" / f"{n}.yaml")]

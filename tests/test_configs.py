@@ -146,15 +146,11 @@ def test_dyt_recipe_builds_each_model_as_its_paper(backbone):
 
 def test_no_yaml_value_restates_a_code_default():
     """Each value has one source: a normalizer's options are its constructor's defaults (composed as
-    ``norm/code/<name>``) and its yaml states what differs; the data schemas hold types and checks, the data
-    yamls every value. A model whose constructor declares its size settings (DiT) has them composed as
-    ``backbone/code/<name>``; the other backbone yamls still state constructor values they make options of:
-    their number does not grow."""
+    ``norm/code/<name>``), a model's the values its constructor builds with (``backbone/code/<name>``), and
+    each yaml states what differs; the data schemas hold types and checks, the data yamls every value."""
     from restated_defaults import restatements
 
-    found = restatements()
-    assert found["norm"] == [] and found["data"] == []
-    assert len(found["backbone"]) <= 42, found["backbone"]
+    assert restatements() == {"norm": [], "data": [], "backbone": []}
 
 
 def test_every_normalizer_option_is_in_the_config_at_its_constructors_default():
@@ -173,16 +169,30 @@ def test_every_normalizer_option_is_in_the_config_at_its_constructors_default():
     assert norms and all(m.weight is None for m in norms)
 
 
-def test_a_models_declared_size_settings_are_its_configs_defaults():
-    """A backbone yaml composes ``backbone/code/<name>`` first: the settings its constructor declares."""
-    from normexp.models.registry import settings
+def test_a_backbones_options_are_in_its_config_at_the_values_its_constructor_builds_with():
+    """A size yaml composes ``backbone/code/<name>`` after its family: every option its family shows
+    (``config_options``) holds the constructor's value unless the size yaml states otherwise, and no family
+    yaml states one (the code node, composed after it, would override it unseen)."""
+    from restated_defaults import backbone_files
 
-    declared = {path: settings(path.stem) for path in sorted(Path(CONFIG_DIR, "backbone").glob("*.yaml"))}
-    assert any(declared.values())
-    for path, values in declared.items():
-        backbone, stated = compose_cfg(f"backbone={path.stem}", "task=dit").backbone, OmegaConf.load(path)
-        for key, value in values.items():
-            assert key in stated or backbone[key] == value, f"backbone={path.stem}: {key}"
+    from normexp.models.registry import config_defaults
+
+    for path, sizes in backbone_files().items():
+        stated = OmegaConf.load(path)
+        for name in sizes:
+            options = config_defaults(name)
+            assert options, name
+            if path.parent.name == "family":
+                assert not set(options) & set(stated), f"{path.name} states {set(options) & set(stated)}"
+                continue
+            backbone = compose_cfg(f"backbone={name}").backbone
+            for option, value in options.items():
+                value = [list(v) if isinstance(v, tuple) else v for v in value] \
+                    if isinstance(value, tuple) else value
+                assert option in stated or backbone[option] == value, f"backbone={name}: {option}"
+    overridden = compose_cfg("backbone=vit_small", "backbone.drop_path_rate=0.2")  # the yaml states none
+    assert compose_cfg("backbone=vit_small").backbone.drop_path_rate == 0.1
+    assert overridden.backbone.drop_path_rate == 0.2
 
 
 def test_t2t_data_as_its_code_resolves_it():

@@ -1,7 +1,7 @@
 """The backbone contract every family in ``normexp/models`` derives from (docs/backbones.md): ``serves`` (what
-a task may ask of it) and ``dense_weights``, ``features``, ``norm_context``, ``norm_keep``,
-``no_weight_decay``, ``fixed_input_size``, ``residual_scales`` and ``branches_start_closed``. Put
-:class:`Backbone` last among a family's bases so its own methods win."""
+a task may ask of it), ``config_options`` (the constructor options its yaml shows), ``dense_weights``,
+``features``, ``norm_context``, ``norm_keep``, ``no_weight_decay``, ``fixed_input_size``, ``residual_scales``
+and ``branches_start_closed``. Put :class:`Backbone` last among a family's bases so its own methods win."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ class Backbone(nn.Module):
     """Base of every backbone family: the contract, with its defaults."""
 
     serves: frozenset[str] = frozenset({CLASSIFICATION})
+    # the options a run's config shows (``backbone.<option>=``), at the values the size is built with
+    # (registry.config_defaults; stored as backbone/code/<name>)
+    config_options: Sequence[str] = ("in_chans",)
     dense_weights: Sequence[str] = ()
     feature_channels: list[int]
     feature_strides: list[int]

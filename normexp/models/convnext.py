@@ -20,7 +20,7 @@ from timm.models.convnext import ConvNeXt as TimmConvNeXt
 from torch import nn
 
 from .base import CLASSIFICATION, DENSE_FEATURES, Backbone, NormContext
-from .registry import register_model
+from .registry import register_size
 
 HEAD_DIM = 32  # Swin's head width at the same stage widths (see the module docstring)
 
@@ -35,6 +35,7 @@ class ConvNeXt(TimmConvNeXt, Backbone):
 
     serves = frozenset({CLASSIFICATION, DENSE_FEATURES})
     dense_weights = ("feature_norms.",)  # the official detection backbone's norm on each stage output
+    config_options = ("in_chans", "drop_path_rate")
     residual_scales = ("stages.*.blocks.*.mlp",)  # the branch: depthwise conv, norm, MLP, layer scale
 
     def __init__(self, img_size: int | tuple[int, int] = 224, feature_norms: bool = False,
@@ -69,31 +70,12 @@ class ConvNeXt(TimmConvNeXt, Backbone):
         return maps
 
 
-def _convnext(arch: dict[str, Any], **kwargs: Any) -> ConvNeXt:
-    return ConvNeXt(**{**arch, **kwargs})
-
-
-@register_model
-def convnext_micro(**kwargs: Any) -> ConvNeXt:
-    return _convnext(dict(img_size=16, patch_size=1, depths=(1, 1, 2, 1), dims=(32, 64, 128, 256),
-                          kernel_sizes=3), **kwargs)
-
-
-@register_model
-def convnext_tiny(**kwargs: Any) -> ConvNeXt:
-    return _convnext(dict(depths=(3, 3, 9, 3), dims=(96, 192, 384, 768)), **kwargs)
-
-
-@register_model
-def convnext_small(**kwargs: Any) -> ConvNeXt:
-    return _convnext(dict(depths=(3, 3, 27, 3), dims=(96, 192, 384, 768)), **kwargs)
-
-
-@register_model
-def convnext_base(**kwargs: Any) -> ConvNeXt:
-    return _convnext(dict(depths=(3, 3, 27, 3), dims=(128, 256, 512, 1024)), **kwargs)
-
-
-@register_model
-def convnext_large(**kwargs: Any) -> ConvNeXt:
-    return _convnext(dict(depths=(3, 3, 27, 3), dims=(192, 384, 768, 1536)), **kwargs)
+for _name, _settings, _doc in [
+    ("convnext_micro", dict(img_size=16, patch_size=1, depths=(1, 1, 2, 1), dims=(32, 64, 128, 256),
+                            kernel_sizes=3), "The CPU member: 16 px, 1 px stem, 3x3 depthwise kernels."),
+    ("convnext_tiny", dict(depths=(3, 3, 9, 3), dims=(96, 192, 384, 768)), "ConvNeXt-T."),
+    ("convnext_small", dict(depths=(3, 3, 27, 3), dims=(96, 192, 384, 768)), "ConvNeXt-S."),
+    ("convnext_base", dict(depths=(3, 3, 27, 3), dims=(128, 256, 512, 1024)), "ConvNeXt-B."),
+    ("convnext_large", dict(depths=(3, 3, 27, 3), dims=(192, 384, 768, 1536)), "ConvNeXt-L."),
+]:
+    register_size(_name, ConvNeXt, _settings, _doc)

@@ -21,7 +21,7 @@ from torch import nn
 from ..norms.layout import TokenLayout
 from .base import DIFFUSION, NormContext
 from .mae import sincos_2d
-from .registry import register_model
+from .registry import register_size
 
 ZERO_INITS = ("all", "blocks", "none")
 
@@ -107,6 +107,8 @@ class DiT(nn.Module):
     residual_scales = ("blocks.*.attn", "blocks.*.mlp")  # before adaLN's gates
 
     task = "dit"  # the task its forward serves (not an image classifier)
+    config_options = ("hidden_size", "depth", "num_heads", "patch_size", "mlp_ratio", "class_dropout",
+                      "learn_sigma")
 
     def __init__(self, input_size: int = 32, patch_size: int = 2, in_chans: int = 4, hidden_size: int = 1152,
                  depth: int = 28, num_heads: int = 16, mlp_ratio: float = 4.0, class_dropout: float = 0.1,
@@ -185,18 +187,9 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def _register(name: str, settings: dict[str, Any], doc: str) -> None:
-    def constructor(**kwargs: Any) -> DiT:
-        return DiT(**{**settings, **kwargs})
-
-    constructor.__name__, constructor.__doc__ = name, doc
-    constructor.settings = settings  # type: ignore[attr-defined]  (what its yaml composes: registry.settings)
-    register_model(constructor)
-
-
 for _size in SIZES:
     for _patch in (2, 4, 8):
-        _register(f"dit_{_size}{_patch}", {**SIZES[_size], "patch_size": _patch},
-                  f"DiT-{_size.upper()}/{_patch} (Peebles & Xie 2023, Table 1).")
-_register("dit_micro", {"hidden_size": 96, "depth": 4, "num_heads": 4, "patch_size": 2},
-          "The CPU member: DiT's architecture at 96 wide, 4 blocks, 4 heads, 2 px patches.")
+        register_size(f"dit_{_size}{_patch}", DiT, {**SIZES[_size], "patch_size": _patch},
+                      f"DiT-{_size.upper()}/{_patch} (Peebles & Xie 2023, Table 1).")
+register_size("dit_micro", DiT, {"hidden_size": 96, "depth": 4, "num_heads": 4, "patch_size": 2},
+              "The CPU member: DiT's architecture at 96 wide, 4 blocks, 4 heads, 2 px patches.")

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..norms.layout import TokenLayout
 from .base import CLASSIFICATION, DENSE_FEATURES, Backbone, GridHook, NormContext
-from .registry import register_model
+from .registry import register_size
 
 
 def slot_heads(channels: int, heads: int) -> int:
@@ -106,6 +106,7 @@ class _LeViTNorms:
     """What our LeViT adds to timm's: token-aware norm slots, norm context, size check, features()."""
 
     serves = frozenset({CLASSIFICATION, DENSE_FEATURES})
+    config_options = ("in_chans", "drop_path_rate", "stem_stride", "distilled")
     residual_scales = ("stages.*.blocks.*.attn", "stages.*.blocks.*.mlp", "stages.*.downsample.mlp")
 
     def __init__(self, img_size: int | tuple[int, int] = 224, stem_stride: int = 16,
@@ -200,40 +201,26 @@ class LeViTDistilled(_LeViTNorms, LevitDistilled, Backbone):
     """LeViT with the distillation head, averaged with the class head (timm's default build)."""
 
 
-def _levit(arch: dict[str, Any], **kwargs: Any) -> LeViT | LeViTDistilled:
-    kwargs = {**arch, **kwargs}
-    distilled = kwargs.pop("distilled", True)
+def _levit(*, distilled: bool, **kwargs: Any) -> LeViT | LeViTDistilled:
     return (LeViTDistilled if distilled else LeViT)(**kwargs)
 
 
-@register_model
-def levit_micro(**kwargs: Any) -> LeViT | LeViTDistilled:
-    return _levit(dict(img_size=16, stem_stride=2, embed_dim=(64, 96, 128), key_dim=16, num_heads=(2, 3, 4),
-                       depth=(1, 1, 1)), **kwargs)
+# timm's LevitDistilled: head and head_dist (counted in the published parameters), averaged; levit.py's drop
+# path is 0 for every size but LeViT-384's 0.1
+DISTILLED = {"distilled": True}
 
-
-@register_model
-def levit_128s(**kwargs: Any) -> LeViT | LeViTDistilled:
-    return _levit(dict(embed_dim=(128, 256, 384), key_dim=16, num_heads=(4, 6, 8), depth=(2, 3, 4)), **kwargs)
-
-
-@register_model
-def levit_128(**kwargs: Any) -> LeViT | LeViTDistilled:
-    return _levit(dict(embed_dim=(128, 256, 384), key_dim=16, num_heads=(4, 8, 12), depth=(4, 4, 4)),
-                  **kwargs)
-
-
-@register_model
-def levit_192(**kwargs: Any) -> LeViT | LeViTDistilled:
-    return _levit(dict(embed_dim=(192, 288, 384), key_dim=32, num_heads=(3, 5, 6), depth=(4, 4, 4)), **kwargs)
-
-
-@register_model
-def levit_256(**kwargs: Any) -> LeViT | LeViTDistilled:
-    return _levit(dict(embed_dim=(256, 384, 512), key_dim=32, num_heads=(4, 6, 8), depth=(4, 4, 4)), **kwargs)
-
-
-@register_model
-def levit_384(**kwargs: Any) -> LeViT | LeViTDistilled:
-    return _levit(dict(embed_dim=(384, 512, 768), key_dim=32, num_heads=(6, 9, 12), depth=(4, 4, 4),
-                       drop_path_rate=0.1), **kwargs)
+for _name, _settings, _doc in [
+    ("levit_micro", dict(img_size=16, stem_stride=2, embed_dim=(64, 96, 128), key_dim=16, num_heads=(2, 3, 4),
+                         depth=(1, 1, 1)), "The CPU member: 16 px, a stride-2 stem."),
+    ("levit_128s", dict(embed_dim=(128, 256, 384), key_dim=16, num_heads=(4, 6, 8), depth=(2, 3, 4)),
+     "LeViT-128S."),
+    ("levit_128", dict(embed_dim=(128, 256, 384), key_dim=16, num_heads=(4, 8, 12), depth=(4, 4, 4)),
+     "LeViT-128."),
+    ("levit_192", dict(embed_dim=(192, 288, 384), key_dim=32, num_heads=(3, 5, 6), depth=(4, 4, 4)),
+     "LeViT-192."),
+    ("levit_256", dict(embed_dim=(256, 384, 512), key_dim=32, num_heads=(4, 6, 8), depth=(4, 4, 4)),
+     "LeViT-256."),
+    ("levit_384", dict(embed_dim=(384, 512, 768), key_dim=32, num_heads=(6, 9, 12), depth=(4, 4, 4),
+                       drop_path_rate=0.1), "LeViT-384."),
+]:
+    register_size(_name, _levit, {**DISTILLED, **_settings}, _doc)

@@ -13,7 +13,6 @@ still has a 2x2 grid.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +21,7 @@ from torch import nn
 
 from ..norms.layout import TokenLayout
 from .base import CLASSIFICATION, DENSE_FEATURES, Backbone, GridHook, NormContext, vit_init
-from .registry import register_model
+from .registry import register_size
 
 
 class PatchEmbed(nn.Module):
@@ -96,6 +95,7 @@ class PyramidVisionTransformer(Backbone):
     """PVT v1. ``features(x)`` returns the 4 stage maps (NCHW, strides ``feature_strides``)."""
 
     serves = frozenset({CLASSIFICATION, DENSE_FEATURES})
+    config_options = ("in_chans", "drop_path_rate", "num_heads", "dtn_stages")
     residual_scales = ("block[1-4].*.attn", "block[1-4].*.mlp")
 
     def __init__(
@@ -266,31 +266,12 @@ class PyramidVisionTransformer(Backbone):
         return self._forward_stages(x, class_token=False)[1]
 
 
-def _pvt(arch: dict[str, Any], **kwargs: Any) -> PyramidVisionTransformer:
-    return PyramidVisionTransformer(**{**arch, **kwargs})
-
-
-@register_model
-def pvt_micro(**kwargs: Any) -> PyramidVisionTransformer:
-    return _pvt(dict(img_size=16, patch_size=1, embed_dims=(32, 64, 160, 256), num_heads=(1, 2, 5, 8),
-                     depths=(1, 1, 1, 1), sr_ratios=(4, 2, 1, 1)), **kwargs)
-
-
-@register_model
-def pvt_tiny(**kwargs: Any) -> PyramidVisionTransformer:
-    return _pvt(dict(depths=(2, 2, 2, 2)), **kwargs)
-
-
-@register_model
-def pvt_small(**kwargs: Any) -> PyramidVisionTransformer:
-    return _pvt(dict(depths=(3, 4, 6, 3)), **kwargs)
-
-
-@register_model
-def pvt_medium(**kwargs: Any) -> PyramidVisionTransformer:
-    return _pvt(dict(depths=(3, 4, 18, 3)), **kwargs)
-
-
-@register_model
-def pvt_large(**kwargs: Any) -> PyramidVisionTransformer:
-    return _pvt(dict(depths=(3, 8, 27, 3)), **kwargs)
+for _name, _settings, _doc in [
+    ("pvt_micro", dict(img_size=16, patch_size=1, embed_dims=(32, 64, 160, 256), depths=(1, 1, 1, 1),
+                       sr_ratios=(4, 2, 1, 1)), "The CPU member: 16 px, 1 px patches, one block a stage."),
+    ("pvt_tiny", dict(depths=(2, 2, 2, 2)), "PVT-Tiny (Table 1)."),
+    ("pvt_small", dict(depths=(3, 4, 6, 3)), "PVT-Small (Table 1)."),
+    ("pvt_medium", dict(depths=(3, 4, 18, 3)), "PVT-Medium (Table 1)."),
+    ("pvt_large", dict(depths=(3, 8, 27, 3)), "PVT-Large (Table 1)."),
+]:
+    register_size(_name, PyramidVisionTransformer, _settings, _doc)

@@ -14,17 +14,17 @@ from typing import Any
 
 import torch
 from timm.models.pvt_v2 import OverlapPatchEmbed, PyramidVisionTransformerV2
-from torch import nn
 
 from ..norms.layout import TokenLayout
 from .base import CLASSIFICATION, DENSE_FEATURES, Backbone, GridHook, NormContext
-from .registry import register_model
+from .registry import register_size
 
 
 class PVTv2(PyramidVisionTransformerV2, Backbone):
     """timm's PVT v2 that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
     serves = frozenset({CLASSIFICATION, DENSE_FEATURES})
+    config_options = ("in_chans", "drop_path_rate")
     residual_scales = ("stages.*.blocks.*.attn", "stages.*.blocks.*.mlp")
 
     def __init__(self, img_size: int | tuple[int, int] = 224, stem_patch_size: int = 7, stem_stride: int = 4,
@@ -72,49 +72,19 @@ class PVTv2(PyramidVisionTransformerV2, Backbone):
         return self.forward_intermediates(x, intermediates_only=True)
 
 
-def _pvt_v2(arch: dict[str, Any], **kwargs: Any) -> nn.Module:
-    return PVTv2(**{**arch, **kwargs})
-
-
 _B1 = dict(embed_dims=(64, 128, 320, 512), num_heads=(1, 2, 5, 8))
 
-
-@register_model
-def pvt_v2_micro(**kwargs: Any) -> PVTv2:
-    return _pvt_v2(dict(img_size=16, stem_patch_size=3, stem_stride=1, embed_dims=(32, 64, 160, 256),
-                        num_heads=(1, 2, 5, 8), depths=(1, 1, 1, 1), sr_ratios=(4, 2, 1, 1)), **kwargs)
-
-
-@register_model
-def pvt_v2_b0(**kwargs: Any) -> PVTv2:
-    return _pvt_v2(dict(depths=(2, 2, 2, 2), embed_dims=(32, 64, 160, 256), num_heads=(1, 2, 5, 8)), **kwargs)
-
-
-@register_model
-def pvt_v2_b1(**kwargs: Any) -> PVTv2:
-    return _pvt_v2(dict(depths=(2, 2, 2, 2), **_B1), **kwargs)
-
-
-@register_model
-def pvt_v2_b2(**kwargs: Any) -> PVTv2:
-    return _pvt_v2(dict(depths=(3, 4, 6, 3), **_B1), **kwargs)
-
-
-@register_model
-def pvt_v2_b2_li(**kwargs: Any) -> PVTv2:
-    return _pvt_v2(dict(depths=(3, 4, 6, 3), linear=True, **_B1), **kwargs)
-
-
-@register_model
-def pvt_v2_b3(**kwargs: Any) -> PVTv2:
-    return _pvt_v2(dict(depths=(3, 4, 18, 3), **_B1), **kwargs)
-
-
-@register_model
-def pvt_v2_b4(**kwargs: Any) -> PVTv2:
-    return _pvt_v2(dict(depths=(3, 8, 27, 3), **_B1), **kwargs)
-
-
-@register_model
-def pvt_v2_b5(**kwargs: Any) -> PVTv2:
-    return _pvt_v2(dict(depths=(3, 6, 40, 3), mlp_ratios=(4, 4, 4, 4), **_B1), **kwargs)
+for _name, _settings, _doc in [
+    ("pvt_v2_micro", dict(img_size=16, stem_patch_size=3, stem_stride=1, embed_dims=(32, 64, 160, 256),
+                          num_heads=(1, 2, 5, 8), depths=(1, 1, 1, 1), sr_ratios=(4, 2, 1, 1)),
+     "The CPU member: 16 px, a 3 px stride-1 stem, one block a stage."),
+    ("pvt_v2_b0", dict(depths=(2, 2, 2, 2), embed_dims=(32, 64, 160, 256), num_heads=(1, 2, 5, 8)),
+     "PVT v2-B0."),
+    ("pvt_v2_b1", dict(depths=(2, 2, 2, 2), **_B1), "PVT v2-B1."),
+    ("pvt_v2_b2", dict(depths=(3, 4, 6, 3), **_B1), "PVT v2-B2."),
+    ("pvt_v2_b2_li", dict(depths=(3, 4, 6, 3), linear=True, **_B1), "PVT v2-B2-Li (linear SRA)."),
+    ("pvt_v2_b3", dict(depths=(3, 4, 18, 3), **_B1), "PVT v2-B3."),
+    ("pvt_v2_b4", dict(depths=(3, 8, 27, 3), **_B1), "PVT v2-B4."),
+    ("pvt_v2_b5", dict(depths=(3, 6, 40, 3), mlp_ratios=(4, 4, 4, 4), **_B1), "PVT v2-B5."),
+]:
+    register_size(_name, PVTv2, _settings, _doc)

@@ -1,7 +1,9 @@
-"""Model registry: ``@register_model`` on a constructor, ``create_model(name, **kwargs)`` to build it."""
+"""Model registry: ``@register_model`` on a constructor (or :func:`register_size`), ``create_model(name,
+**kwargs)`` to build it, and :func:`config_defaults`, the options a model's yaml takes from its code."""
 
 from __future__ import annotations
 
+import inspect
 import types
 import typing
 from collections.abc import Callable
@@ -20,10 +22,39 @@ def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     return fn
 
 
-def settings(name: str) -> dict[str, Any]:
-    """The size settings model ``name``'s constructor passes its class, where it declares them (its
-    ``settings`` attribute): the code's defaults its yaml composes (``backbone/code/<name>``)."""
-    return dict(getattr(_MODELS[name], "settings", {}))
+def register_size(name: str, build: Callable[..., nn.Module], settings: dict[str, Any], doc: str) -> None:
+    """Register model ``name``: ``build(**settings)``, a keyword overriding a setting. The settings are what
+    its config takes from the code (:func:`config_defaults`)."""
+
+    def constructor(**kwargs: Any) -> nn.Module:
+        return build(**{**settings, **kwargs})
+
+    constructor.__name__, constructor.__qualname__, constructor.__doc__ = name, name, doc
+    constructor.__annotations__ = {**constructor.__annotations__,
+                                   "return": typing.get_type_hints(build).get("return", nn.Module)}
+    constructor.settings = settings  # type: ignore[attr-defined]
+    register_model(constructor)
+
+
+def config_defaults(name: str) -> dict[str, Any]:
+    """The options model ``name``'s family shows in its config (its class's ``config_options``) at the values
+    ``create_model(name)`` builds with: its size's settings, else its class's constructor defaults."""
+    cls = model_classes(name)[0]
+    handed = {**_constructor_defaults(cls), **getattr(_MODELS[name], "settings", {})}
+    return {option: handed[option] for option in getattr(cls, "config_options", ())}
+
+
+def _constructor_defaults(cls: type) -> dict[str, Any]:
+    """The keyword defaults of ``cls``'s constructors, the nearest class's first (``**kwargs`` go up)."""
+    found: dict[str, Any] = {}
+    for base in cls.__mro__:
+        if base is nn.Module:
+            break
+        if "__init__" in base.__dict__:
+            for p in list(inspect.signature(base.__init__).parameters.values())[1:]:
+                if p.default is not p.empty:
+                    found.setdefault(p.name, p.default)
+    return found
 
 
 def list_models() -> list[str]:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..norms.layout import TokenLayout
 from .base import CLASSIFICATION, DENSE_FEATURES, Backbone, GridHook, NormContext
-from .registry import register_model
+from .registry import register_size
 
 
 class PadThenShiftBlock(timm_swin.SwinTransformerBlock):
@@ -50,6 +50,7 @@ class Swin(timm_swin.SwinTransformer, Backbone):
     """timm's Swin that tells each norm slot its block, head count and token layout (``norm_context``)."""
 
     serves = frozenset({CLASSIFICATION, DENSE_FEATURES})
+    config_options = ("in_chans", "patch_size", "window_size", "drop_path_rate", "dynamic_img_size")
     dense_weights = ("feature_norms.",)  # the official detection backbone's norm on each stage output
     residual_scales = ("layers.*.blocks.*.attn", "layers.*.blocks.*.mlp")
 
@@ -101,29 +102,14 @@ class Swin(timm_swin.SwinTransformer, Backbone):
         return maps
 
 
-def _swin(arch: dict[str, Any], **kwargs: Any) -> Swin:
-    return Swin(**{**arch, **kwargs})
-
-
-@register_model
-def swin_micro(**kwargs: Any) -> Swin:
-    return _swin(dict(img_size=16, patch_size=1, window_size=4, embed_dim=24, depths=(1, 1, 2, 1),
-                      num_heads=(1, 2, 4, 8), drop_path_rate=0.0), **kwargs)
-
-
-@register_model
-def swin_tiny(**kwargs: Any) -> Swin:
-    return _swin(dict(patch_size=4, window_size=7, embed_dim=96, depths=(2, 2, 6, 2),
-                      num_heads=(3, 6, 12, 24), drop_path_rate=0.2), **kwargs)
-
-
-@register_model
-def swin_small(**kwargs: Any) -> Swin:
-    return _swin(dict(patch_size=4, window_size=7, embed_dim=96, depths=(2, 2, 18, 2),
-                      num_heads=(3, 6, 12, 24), drop_path_rate=0.3), **kwargs)
-
-
-@register_model
-def swin_base(**kwargs: Any) -> Swin:
-    return _swin(dict(patch_size=4, window_size=7, embed_dim=128, depths=(2, 2, 18, 2),
-                      num_heads=(4, 8, 16, 32), drop_path_rate=0.5), **kwargs)
+for _name, _settings, _doc in [
+    ("swin_micro", dict(img_size=16, patch_size=1, window_size=4, embed_dim=24, depths=(1, 1, 2, 1),
+                        num_heads=(1, 2, 4, 8), drop_path_rate=0.0), "The CPU member: 16 px, 1 px patches."),
+    ("swin_tiny", dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), drop_path_rate=0.2),
+     "Swin-T (swin_tiny_patch4_window7_224.yaml)."),
+    ("swin_small", dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), drop_path_rate=0.3),
+     "Swin-S (swin_small_patch4_window7_224.yaml)."),
+    ("swin_base", dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), drop_path_rate=0.5),
+     "Swin-B (swin_base_patch4_window7_224.yaml)."),
+]:
+    register_size(_name, Swin, _settings, _doc)

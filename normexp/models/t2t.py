@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,7 @@ from torch import nn
 from ..norms.layout import TokenLayout
 from .base import NormContext, PlainBackbone, vit_init
 from .pyramid import SimpleFeaturePyramid
-from .registry import register_model
+from .registry import register_size
 
 # (kernel, stride, padding) of the three soft splits (paper Sec. 3.1)
 PUBLISHED_SOFT_SPLIT = ((7, 4, 2), (3, 2, 1), (3, 2, 1))
@@ -162,6 +161,7 @@ class T2TViT(PlainBackbone):
     """T2T-ViT: the tokens-to-token module, then a class-token ViT with a fixed sinusoidal position table."""
 
     residual_scales = ("blocks.*.attn", "blocks.*.mlp")  # the ViT blocks (the T2T layers keep theirs)
+    config_options = ("in_chans", "drop_path_rate", "tokens_type", "soft_split")
 
     def __init__(
         self,
@@ -258,42 +258,18 @@ class T2TViT(PlainBackbone):
         return self.forward_head(self.forward_features(x))
 
 
-def _t2t(arch: dict[str, Any], **kwargs: Any) -> T2TViT:
-    return T2TViT(**{**arch, **kwargs})
+# T2T-ViT main.py's drop path, 0.1 for every size (the micro member has none)
+T2T = {"drop_path_rate": 0.1}
 
-
-@register_model
-def t2t_vit_micro(**kwargs: Any) -> T2TViT:
-    """Demo size: 16 px, soft splits (3,1,1), (3,2,1), (3,1,1) -> 16x16, 8x8, 8x8 tokens (stride 2)."""
-    return _t2t(dict(img_size=16, soft_split=MICRO_SOFT_SPLIT, token_dim=32, embed_dim=96, depth=4,
-                     num_heads=4, mlp_ratio=2.0), **kwargs)
-
-
-@register_model
-def t2t_vit_7(**kwargs: Any) -> T2TViT:
-    return _t2t(dict(embed_dim=256, depth=7, num_heads=4, mlp_ratio=2.0), **kwargs)
-
-
-@register_model
-def t2t_vit_10(**kwargs: Any) -> T2TViT:
-    return _t2t(dict(embed_dim=256, depth=10, num_heads=4, mlp_ratio=2.0), **kwargs)
-
-
-@register_model
-def t2t_vit_12(**kwargs: Any) -> T2TViT:
-    return _t2t(dict(embed_dim=256, depth=12, num_heads=4, mlp_ratio=2.0), **kwargs)
-
-
-@register_model
-def t2t_vit_14(**kwargs: Any) -> T2TViT:
-    return _t2t(dict(embed_dim=384, depth=14, num_heads=6, mlp_ratio=3.0), **kwargs)
-
-
-@register_model
-def t2t_vit_19(**kwargs: Any) -> T2TViT:
-    return _t2t(dict(embed_dim=448, depth=19, num_heads=7, mlp_ratio=3.0), **kwargs)
-
-
-@register_model
-def t2t_vit_24(**kwargs: Any) -> T2TViT:
-    return _t2t(dict(embed_dim=512, depth=24, num_heads=8, mlp_ratio=3.0), **kwargs)
+for _name, _settings, _doc in [
+    ("t2t_vit_micro", dict(img_size=16, soft_split=MICRO_SOFT_SPLIT, token_dim=32, embed_dim=96, depth=4,
+                           num_heads=4, mlp_ratio=2.0),
+     "The CPU member: 16 px, soft splits (3,1,1), (3,2,1), (3,1,1) -> 16x16, 8x8, 8x8 tokens (stride 2)."),
+    ("t2t_vit_7", dict(T2T, embed_dim=256, depth=7, num_heads=4, mlp_ratio=2.0), "T2T-ViT-7."),
+    ("t2t_vit_10", dict(T2T, embed_dim=256, depth=10, num_heads=4, mlp_ratio=2.0), "T2T-ViT-10."),
+    ("t2t_vit_12", dict(T2T, embed_dim=256, depth=12, num_heads=4, mlp_ratio=2.0), "T2T-ViT-12."),
+    ("t2t_vit_14", dict(T2T, embed_dim=384, depth=14, num_heads=6, mlp_ratio=3.0), "T2T-ViT-14."),
+    ("t2t_vit_19", dict(T2T, embed_dim=448, depth=19, num_heads=7, mlp_ratio=3.0), "T2T-ViT-19."),
+    ("t2t_vit_24", dict(T2T, embed_dim=512, depth=24, num_heads=8, mlp_ratio=3.0), "T2T-ViT-24."),
+]:
+    register_size(_name, T2TViT, _settings, _doc)

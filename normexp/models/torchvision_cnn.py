@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +23,7 @@ from torchvision.models.resnet import ResNet as TorchvisionResNet
 from torchvision.models.vgg import VGG as TorchvisionVGG
 
 from .base import CLASSIFICATION, DENSE_FEATURES, Backbone, NormContext
-from .registry import register_model
+from .registry import register_size
 
 GROUPS = 32  # GroupNorm's group count in ResNet-50 (Wu & He 2018); the head count handed to each slot
 
@@ -157,6 +156,7 @@ class VGG(TorchvisionVGG, _ConvSlots):
     """torchvision's VGG-BN with the backbone contract; the pooled grid and classifier width are arguments."""
 
     residual_scales = ()  # a plain stack: no residual branch
+    config_options = ("in_chans", "dropout")
 
     def __init__(self, cfg: Sequence[int | str] = VGG19, pool_size: int = 7, hidden: int = 4096,
                  dropout: float = 0.5, num_classes: int = 1000, in_chans: int = 3,
@@ -214,23 +214,14 @@ class VGG(TorchvisionVGG, _ConvSlots):
         return maps[-4:]
 
 
-@register_model
-def resnet50(**kwargs: Any) -> ResNet:
-    return ResNet(**{"layers": (3, 4, 6, 3), **kwargs})
-
-
-@register_model
-def resnet50_micro(**kwargs: Any) -> ResNet:
-    return ResNet(**{"layers": (1, 1, 1, 1), "widths": (16, 32, 64, 128), "stem_width": 16, "stem_kernel": 3,
-                     "stem_stride": 1, "stem_pool": False, "img_size": 16, **kwargs})
-
-
-@register_model
-def vgg19_bn(**kwargs: Any) -> VGG:
-    return VGG(**{"cfg": VGG19, **kwargs})
-
-
-@register_model
-def vgg19_bn_micro(**kwargs: Any) -> VGG:
-    return VGG(**{"cfg": (16, "M", 32, "M", 64, 64, "M", 128, 128, "M"), "pool_size": 1, "hidden": 128,
-                  "img_size": 16, **kwargs})
+for _name, _build, _settings, _doc in [
+    ("resnet50", ResNet, {"layers": (3, 4, 6, 3)}, "ResNet-50."),
+    ("resnet50_micro", ResNet, {"layers": (1, 1, 1, 1), "widths": (16, 32, 64, 128), "stem_width": 16,
+                                "stem_kernel": 3, "stem_stride": 1, "stem_pool": False, "img_size": 16},
+     "The CPU member: one bottleneck a stage, 16-128 wide, a 3x3 stride-1 stem without pooling."),
+    ("vgg19_bn", VGG, {"cfg": VGG19}, "VGG-19 with BatchNorm."),
+    ("vgg19_bn_micro", VGG, {"cfg": (16, "M", 32, "M", 64, 64, "M", 128, 128, "M"), "pool_size": 1,
+                             "hidden": 128, "img_size": 16},
+     "The CPU member: six convolutions, 128-wide head."),
+]:
+    register_size(_name, _build, _settings, _doc)

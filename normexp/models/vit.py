@@ -28,7 +28,7 @@ from ..norms.layout import FoldedHeads, TokenLayout
 from .base import NormContext, PlainBackbone
 from .blocks import PER_HEAD_SLOTS, HeadNormAttention, block_class
 from .pyramid import SimpleFeaturePyramid
-from .registry import register_model
+from .registry import register_size
 
 
 class ViT(VisionTransformer, PlainBackbone):
@@ -37,6 +37,8 @@ class ViT(VisionTransformer, PlainBackbone):
     # every position's branches end in the attention / MLP up to the slots' norms, which the methods that
     # read this (normalization-free ones) make the identity
     residual_scales = ("blocks.*.attn", "blocks.*.mlp")
+    config_options = ("in_chans", "patch_size", "drop_path_rate", "global_pool", "dtn_blocks",
+                      "norm_position", "qk_norm", "layer_scale", "normformer")
 
     def __init__(self, dtn_blocks: int | None = None, pyramid_scales: tuple[float, ...] | None = None,
                  norm_position: str = "pre", layer_scale: float | None = None, normformer: bool = False,
@@ -107,75 +109,38 @@ class ViT(VisionTransformer, PlainBackbone):
         return self.norm(x)
 
 
-def _vit(arch: dict[str, Any], **kwargs: Any) -> ViT:
-    return ViT(**{**arch, **kwargs})
-
-
-def _dtn_code_vit(arch: dict[str, Any], **kwargs: Any) -> ViT:
-    """A ViT as the DTN code's ``vit_norm_mix.py`` builds it."""
-    model = ViT(**{"qkv_bias": False, "norm_layer": partial(nn.LayerNorm, eps=1e-5), "dtn_blocks": 10,
-                   **arch, **kwargs})
-    trunc_normal_(model.cls_token, std=0.02)  # timm starts it at std 1e-6
+def _dtn_code_vit(**kwargs: Any) -> ViT:
+    """A ViT as the DTN code's ``vit_norm_mix.py`` builds it (timm starts the class token at std 1e-6)."""
+    model = ViT(**kwargs)
+    trunc_normal_(model.cls_token, std=0.02)
     return model
 
 
-@register_model
-def vit_micro(**kwargs: Any) -> ViT:
-    return _vit(dict(img_size=16, patch_size=2, embed_dim=96, depth=6, num_heads=4), **kwargs)
+# DeiT's drop path, 0.1 for every size (its main.py), as the DTN code's train.py; the micro members have none
+DEIT = {"drop_path_rate": 0.1}
+# the DTN code's ViTs: no qkv bias, LN eps 1e-5, the normalizer in blocks 0-9 and the class token joining
+# before block 10, LayerNorm in blocks 10-11 and the final norm
+DTN_CODE = {**DEIT, "qkv_bias": False, "norm_layer": partial(nn.LayerNorm, eps=1e-5), "dtn_blocks": 10}
 
-
-@register_model
-def vit_tiny(**kwargs: Any) -> ViT:
-    return _vit(dict(patch_size=16, embed_dim=192, depth=12, num_heads=3), **kwargs)
-
-
-@register_model
-def vit_small(**kwargs: Any) -> ViT:
-    return _vit(dict(patch_size=16, embed_dim=384, depth=12, num_heads=6), **kwargs)
-
-
-@register_model
-def vit_base(**kwargs: Any) -> ViT:
-    return _vit(dict(patch_size=16, embed_dim=768, depth=12, num_heads=12), **kwargs)
-
-
-@register_model
-def vit_large(**kwargs: Any) -> ViT:
-    return _vit(dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16), **kwargs)
-
-
-@register_model
-def vit_small_dtn(**kwargs: Any) -> ViT:
-    """The DTN code's ``vit_norm_s`` (the DTN tables' ViT-S)."""
-    return _dtn_code_vit(dict(patch_size=16, embed_dim=384, depth=12, num_heads=6), **kwargs)
-
-
-@register_model
-def vit_base_dtn(**kwargs: Any) -> ViT:
-    """The DTN code's ``vit_norm_b`` (the DTN tables' ViT-B)."""
-    return _dtn_code_vit(dict(patch_size=16, embed_dim=768, depth=12, num_heads=12), **kwargs)
-
-
-@register_model
-def vit_tiny_star(**kwargs: Any) -> ViT:
-    """The DTN code's ``vit_norm_ti_star`` (ViT-T*)."""
-    return _dtn_code_vit(dict(patch_size=16, embed_dim=192, depth=12, num_heads=4), **kwargs)
-
-
-@register_model
-def vit_small_star(**kwargs: Any) -> ViT:
-    """The DTN code's ``vit_norm_s_star`` (ViT-S*: 432 wide, 9 heads)."""
-    return _dtn_code_vit(dict(patch_size=16, embed_dim=432, depth=12, num_heads=9), **kwargs)
-
-
-@register_model
-def vit_base_star(**kwargs: Any) -> ViT:
-    """The DTN code's ``vit_norm_b_star`` (ViT-B*: 16 heads)."""
-    return _dtn_code_vit(dict(patch_size=16, embed_dim=768, depth=12, num_heads=16), **kwargs)
-
-
-@register_model
-def vit_micro_star(**kwargs: Any) -> ViT:
-    """``vit_micro`` built as the DTN code builds its ViTs: the smoke-scale stand-in for them."""
-    return _dtn_code_vit(dict(img_size=16, patch_size=2, embed_dim=96, depth=6, num_heads=4, dtn_blocks=5),
-                         **kwargs)
+for _name, _build, _settings, _doc in [
+    ("vit_micro", ViT, dict(img_size=16, patch_size=2, embed_dim=96, depth=6, num_heads=4),
+     "The CPU member: DeiT's architecture at 96 wide, 6 blocks, 4 heads, 2 px patches."),
+    ("vit_tiny", ViT, dict(DEIT, patch_size=16, embed_dim=192, depth=12, num_heads=3), "DeiT-Ti."),
+    ("vit_small", ViT, dict(DEIT, patch_size=16, embed_dim=384, depth=12, num_heads=6), "DeiT-S."),
+    ("vit_base", ViT, dict(DEIT, patch_size=16, embed_dim=768, depth=12, num_heads=12), "DeiT-B / ViT-B/16."),
+    ("vit_large", ViT, dict(DEIT, patch_size=16, embed_dim=1024, depth=24, num_heads=16), "ViT-L/16."),
+    ("vit_small_dtn", _dtn_code_vit, dict(DTN_CODE, patch_size=16, embed_dim=384, depth=12, num_heads=6),
+     "The DTN code's ``vit_norm_s`` (the DTN tables' ViT-S)."),
+    ("vit_base_dtn", _dtn_code_vit, dict(DTN_CODE, patch_size=16, embed_dim=768, depth=12, num_heads=12),
+     "The DTN code's ``vit_norm_b`` (the DTN tables' ViT-B)."),
+    ("vit_tiny_star", _dtn_code_vit, dict(DTN_CODE, patch_size=16, embed_dim=192, depth=12, num_heads=4),
+     "The DTN code's ``vit_norm_ti_star`` (ViT-T*)."),
+    ("vit_small_star", _dtn_code_vit, dict(DTN_CODE, patch_size=16, embed_dim=432, depth=12, num_heads=9),
+     "The DTN code's ``vit_norm_s_star`` (ViT-S*: 432 wide, 9 heads)."),
+    ("vit_base_star", _dtn_code_vit, dict(DTN_CODE, patch_size=16, embed_dim=768, depth=12, num_heads=16),
+     "The DTN code's ``vit_norm_b_star`` (ViT-B*: 16 heads)."),
+    ("vit_micro_star", _dtn_code_vit, dict(DTN_CODE, img_size=16, patch_size=2, embed_dim=96, depth=6,
+                                           num_heads=4, dtn_blocks=5, drop_path_rate=0.0),
+     "``vit_micro`` built as the DTN code builds its ViTs: the smoke-scale stand-in for them."),
+]:
+    register_size(_name, _build, _settings, _doc)

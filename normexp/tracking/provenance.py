@@ -31,13 +31,16 @@ NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress
 # trainer.decay_epochs (sched=step's interval; null: timm's default), trainer.lr_factor (1: the recipe's
 # lr), the ViTs' norm placement options (configs/backbone/family/vit.yaml) at the plain Pre-LN ViT,
 # task.probes at [alpha] (the per-epoch alpha rows every training run logged before probes were per task),
-# and the normalizer options the config shows since it takes them from the constructors (at their defaults).
+# and the options the config shows since it takes them from the constructors (at their defaults): the
+# normalizers' and LeViT's stem stride and T2T-ViT's soft split (shown before by their micro sizes only).
 IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "trainer.lr_factor": 1.0,
                                      "backbone.norm_position": "pre", "backbone.qk_norm": False,
                                      "backbone.layer_scale": None, "backbone.normformer": False,
                                      "task.probes": ["alpha"], "norm.affine": True,
                                      "norm.track_running_stats": True, "norm.separable": True,
-                                     "norm.unbiased": True, "norm.per_channel": True}
+                                     "norm.unbiased": True, "norm.per_channel": True,
+                                     "backbone.stem_stride": 16,
+                                     "backbone.soft_split": [[7, 4, 2], [3, 2, 1], [3, 2, 1]]}
 
 
 def seed_everything(seed: int) -> None:
