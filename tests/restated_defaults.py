@@ -5,7 +5,6 @@ default. ``PYTHONPATH=. python tests/restated_defaults.py`` prints them and thei
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
@@ -91,7 +90,7 @@ def backbone_defaults(name: str) -> dict[str, Any]:
     import sys
 
     import normexp.models  # noqa: F401  (registers every model)
-    from normexp.models.registry import _MODELS
+    from normexp.models.registry import _MODELS, _constructor_defaults
 
     sys.settrace(_stop_at_the_first_module)
     try:
@@ -101,14 +100,7 @@ def backbone_defaults(name: str) -> dict[str, Any]:
         cls, found = built.cls, built.arguments
     finally:
         sys.settrace(None)
-    for base in cls.__mro__:
-        if base is nn.Module:
-            break
-        if "__init__" in base.__dict__:
-            for p in list(inspect.signature(base.__init__).parameters.values())[1:]:
-                if p.default is not p.empty:
-                    found.setdefault(p.name, p.default)
-    return found
+    return {**_constructor_defaults(cls), **found}
 
 
 def backbone_files() -> dict[Path, list[str]]:
