@@ -30,8 +30,8 @@ def register_size(name: str, build: Callable[..., nn.Module], settings: dict[str
         return build(**{**settings, **kwargs})
 
     constructor.__name__, constructor.__qualname__, constructor.__doc__ = name, name, doc
-    constructor.__annotations__ = {**constructor.__annotations__,
-                                   "return": typing.get_type_hints(build).get("return", nn.Module)}
+    built = build if isinstance(build, type) else typing.get_type_hints(build).get("return", nn.Module)
+    constructor.__annotations__ = {**constructor.__annotations__, "return": built}
     constructor.settings = settings  # type: ignore[attr-defined]
     register_model(constructor)
 

@@ -3,6 +3,8 @@ refuses, in one line, a backbone that serves no dense features, naming those tha
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 import torch
 from conftest import compose_cfg
@@ -18,6 +20,8 @@ from normexp.tasks import get_task
 def test_every_registered_model_declares_what_it_serves(name):
     """Its family declares ``serves`` (not the contract's default), with needs a task may ask; the registry
     knows the family without building the model."""
+    hint = typing.get_type_hints(registry._MODELS[name])["return"]
+    assert set(typing.get_args(hint) or (hint,)) == set(model_classes(name))  # read off, not built
     for cls in model_classes(name):
         declared = next(k for k in cls.__mro__ if "serves" in vars(k))
         assert declared is not Backbone, f"{cls.__name__} does not declare what it serves"
