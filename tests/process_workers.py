@@ -25,23 +25,26 @@ def dino_center_of(rank: int, world: int, port: int, outputs: np.ndarray, result
         np.save(result, loss.center.numpy())
 
 
-def process_group_states(rank: int, world: int, port: int, result: str) -> None:
+def process_group_states(rank: int, world: int, ports: list[int], result: str) -> None:
     """Whether this process is in the group inside ``distributed.process_group``, after it (the block joined
     it), after a block ended by one of its ``ends``, and after a block whose group was joined before it;
-    process 0 saves them to ``result``."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    process 0 saves them to ``result``. Each group meets on a port of its own: process 1 can leave a group
+    and join the next before process 0 has closed the last one's store, and would join that one."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     from normexp import distributed
 
     states = []
+    os.environ["MASTER_PORT"] = str(ports[0])
     with distributed.process_group("cpu") as info:
         states.append(distributed.joined() and info.world_size == world)
     states.append(distributed.joined())
+    os.environ["MASTER_PORT"] = str(ports[1])
     try:
         with distributed.process_group("cpu", ends=(KeyError,)):
             raise KeyError("a run's end")
     except KeyError:
         states.append(distributed.joined())
+    os.environ["MASTER_PORT"] = str(ports[2])
     distributed.init_distributed("cpu")
     with distributed.process_group("cpu"):
         pass

@@ -68,11 +68,12 @@ def test_two_processes_train_what_one_process_trains(tmp_path):
 def test_a_run_leaves_the_process_group_it_joined(tmp_path):
     # left at the block's end and on the endings it names; one joined before (by the entry point, under
     # torchrun) is kept for the runs that follow, and left by whoever joined it
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    with socket.socket() as a, socket.socket() as b, socket.socket() as c:  # three free ports, one per group
+        for sock in (a, b, c):
+            sock.bind(("127.0.0.1", 0))
+        ports = [sock.getsockname()[1] for sock in (a, b, c)]
     result = str(tmp_path / "states.npy")
-    mp.start_processes(process_group_states, args=(2, port, result), nprocs=2, start_method="spawn")
+    mp.start_processes(process_group_states, args=(2, ports, result), nprocs=2, start_method="spawn")
     assert np.load(result).tolist() == [True, False, False, True]
 
 
