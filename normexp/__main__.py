@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import CONFIG_DIR
 from . import command_line as said
-from .errors import Interrupted, UserError, one_line, storage_error
+from .errors import Interrupted, UserError, one_line
 
 COMMANDS = {"table": "normexp.tables.cli", "compare": "normexp.compare", "dashboard": "normexp.dashboard",
             "sync": "normexp.sync", "analyze": "normexp.analysis.cli", "figure": "normexp.analysis.figures"}
@@ -35,7 +35,7 @@ def run_app(cfg: DictConfig) -> float | None:
     try:
         summary = run(cfg, outcome=outcome, beside=said.hydra_files(cfg, hydra_cfg))
     except (UserError, OSError) as e:
-        error = e if isinstance(e, UserError) else storage_error(e)
+        error = said.user_error(e)
         if error is None:  # not the user's to fix
             raise
         print(f"error: {one_line(error)}", file=sys.stderr)
@@ -44,11 +44,7 @@ def run_app(cfg: DictConfig) -> float | None:
             raise error from e  # the sweep records this job as failed and carries on with the others
         sys.exit(2)
     except (Interrupted, KeyboardInterrupt) as e:
-        code = 128 + e.signum if isinstance(e, Interrupted) else 130
-        if outcome.run_dir is not None:  # process 0
-            why = str(e) or "Ctrl-C twice"
-            print(f"interrupted: {why} in {outcome.run_dir}; {said.continue_hint(cfg)}", file=sys.stderr)
-        sys.exit(code)
+        sys.exit(said.interrupted(e, cfg, outcome.run_dir))
     return said.report(cfg, summary, outcome.run_dir, outcome.started) if outcome.run_dir else None
 
 
@@ -66,20 +62,17 @@ def main() -> None:
 
         register()
         run_app()
-    except UserError as e:  # a job of a sweep (already reported by it)
-        if not getattr(e, "reported", False):
-            print(f"error: {one_line(e)}", file=sys.stderr)
-        sys.exit(2)
     except (HydraException, OmegaConfBaseException) as e:  # (MissingConfigException is an OSError too)
         if own_full_error or composed:
             raise
         print(f"error: {said.hydra_error_line(e)}", file=sys.stderr)
         sys.exit(2)
-    except OSError as e:  # before the run: Hydra making a directory (an output root that is a file)
-        error = storage_error(e)
+    except (UserError, OSError) as e:  # a sweep's job (reported by it), or Hydra making a run's directory
+        error = said.user_error(e)
         if error is None:
             raise
-        print(f"error: {one_line(error)}", file=sys.stderr)
+        if not getattr(error, "reported", False):
+            print(f"error: {one_line(error)}", file=sys.stderr)
         sys.exit(2)
 
 

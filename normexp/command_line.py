@@ -14,7 +14,7 @@ from typing import Any
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 
-from .errors import UserError
+from .errors import Interrupted, UserError, storage_error
 
 # overrides that once placed a run's directory: the run's identity names it now
 DIRECTORY_OVERRIDES = ("hydra.run.dir=", "hydra.sweep.subdir=")
@@ -55,6 +55,22 @@ def report(cfg: DictConfig, summary: dict[str, Any], run_dir: Path, started: boo
         print(f"best {metric}: {best[metric]:.2f} (epoch {best['epoch']})")
         return float(best[metric])
     return None
+
+
+def user_error(error: Exception) -> UserError | None:
+    """``error`` as a mistake the user fixes (bad input, a full or read-only disk); None for anything else."""
+    if isinstance(error, UserError):
+        return error
+    return storage_error(error) if isinstance(error, OSError) else None
+
+
+def interrupted(error: Interrupted | KeyboardInterrupt, cfg: DictConfig, run_dir: Path | None) -> int:
+    """Say where an interrupted run stands and how to continue it (process 0 has its ``run_dir``); the exit
+    code: 128 + the signal, as a shell reports it."""
+    if run_dir is not None:
+        why = str(error) or "Ctrl-C twice"
+        print(f"interrupted: {why} in {run_dir}; {continue_hint(cfg)}", file=sys.stderr)
+    return 128 + error.signum if isinstance(error, Interrupted) else 130
 
 
 def continue_hint(cfg: DictConfig) -> str:
