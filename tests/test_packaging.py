@@ -46,7 +46,7 @@ def test_non_editable_install_runs_the_demo_elsewhere(tmp_path):
                            "trainer.progress=false"], cwd=elsewhere, capture_output=True, text=True, env=env,
                           timeout=900)
     assert demo.returncode == 0, demo.stderr[-3000:]
-    (summary,) = elsewhere.glob("outputs/classification/*/*/summary.json")
+    (summary,) = elsewhere.glob("outputs/classification/*/summary.json")
     assert '"status": "completed"' in summary.read_text()
 
 
