@@ -20,7 +20,8 @@ def dino_center_of(rank: int, world: int, port: int, outputs: np.ndarray, result
 
     distributed.init_distributed("cpu")
     loss = DINOLoss(outputs.shape[1], 2)
-    loss.update_center(torch.from_numpy(np.array_split(outputs, world)[rank]))
+    loss.accumulate(torch.from_numpy(np.array_split(outputs, world)[rank]))
+    loss.update_center()
     if rank == 0:
         np.save(result, loss.center.numpy())
 

@@ -4,6 +4,8 @@ an image at several resolutions -- facebookresearch/dino ``vision_transformer.DI
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
@@ -11,6 +13,25 @@ from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from .base import NormContext
+
+
+def interpolate_positions(table: torch.Tensor, grid: tuple[int, int], prefix: int) -> torch.Tensor:
+    """A square position table for a grid of ``grid`` patches, as DINO's ``interpolate_pos_encoding``
+    (facebookresearch/dino ``vision_transformer.py``) resamples it for the local crops: unchanged at its own
+    square size, else bicubic by the scale factor ``(grid + 0.1) / sqrt(N)`` (the factor, not the size,
+    sets the sampling positions; no antialiasing). ``prefix``: the leading rows of the class token(s)."""
+    n = table.shape[1] - prefix
+    side = math.isqrt(n)
+    if side * side != n:
+        raise ValueError(f"DINO's position interpolation needs a square table, got {n} positions")
+    if tuple(grid) == (side, side):
+        return table
+    patches = table[:, prefix:].reshape(1, side, side, -1).permute(0, 3, 1, 2)
+    scale = ((grid[0] + 0.1) / math.sqrt(n), (grid[1] + 0.1) / math.sqrt(n))
+    patches = F.interpolate(patches, scale_factor=scale, mode="bicubic")
+    if tuple(patches.shape[-2:]) != tuple(grid):
+        raise ValueError(f"DINO's position interpolation gave a {tuple(patches.shape[-2:])} grid for {grid}")
+    return torch.cat([table[:, :prefix], patches.permute(0, 2, 3, 1).reshape(1, -1, table.shape[-1])], dim=1)
 
 
 class DINOHead(nn.Module):

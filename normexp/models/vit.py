@@ -11,11 +11,14 @@ normalizer.
 ``norm_position``, ``qk_norm``, ``layer_scale`` and ``normformer`` (NormFormer, arXiv 2110.09456) place the
 norms (``normexp.models.blocks``; docs/normalizers.md). The final norm stays under every position;
 ``+backbone.final_norm=false`` removes it. ``pyramid_scales`` adds ViTDet's simple feature pyramid;
-``dynamic_img_size=True`` accepts any input size.
+``dynamic_img_size=True`` accepts any input size, the position table resampled by timm's
+``resample_abs_pos_embed`` unless a task sets ``resample_positions`` (DINO's ``interpolate_pos_encoding``:
+``normexp.models.dino``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -63,6 +66,8 @@ class ViT(VisionTransformer, PlainBackbone):
             kwargs["no_embed_class"] = True  # position embedding covers the grid tokens only
         super().__init__(**kwargs)
         self.dtn_blocks, self.norm_position = dtn_blocks, norm_position
+        # (table, grid, prefix tokens in it) -> the table for that grid; None: timm's resampling
+        self.resample_positions: Callable[[torch.Tensor, tuple[int, int], int], torch.Tensor] | None = None
         # Blocks before the class token joins see no prefix tokens; the others see num_prefix_tokens.
         self.grid_layout = TokenLayout(num_prefix_tokens=0)
         self.token_layout = TokenLayout(num_prefix_tokens=self.num_prefix_tokens)
@@ -93,6 +98,21 @@ class ViT(VisionTransformer, PlainBackbone):
                     "num_prefix_tokens": layout.num_prefix_tokens, "pooled": False}
         return {"block": block, "num_heads": num_heads, "layout": layout,
                 "num_prefix_tokens": layout.num_prefix_tokens, "pooled": name == "fc_norm"}
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        """timm's, with the position table resampled by ``resample_positions`` when one is set."""
+        if self.resample_positions is None or not self.dynamic_img_size or self.pos_embed is None:
+            return super()._pos_embed(x)
+        b, h, w, c = x.shape
+        table_prefix = 0 if self.no_embed_class else self.num_prefix_tokens
+        pos_embed = self.resample_positions(self.pos_embed, (h, w), table_prefix)
+        prefix = [t.expand(b, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        x = x.view(b, -1, c)
+        if self.no_embed_class:
+            x = torch.cat([*prefix, x + pos_embed], dim=1)
+        else:
+            x = torch.cat([*prefix, x], dim=1) + pos_embed
+        return self.pos_drop(x)
 
     def forward_features(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if self.dtn_blocks is None:

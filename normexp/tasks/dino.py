@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageFilter, ImageOps
 from torch import nn
+from timm.scheduler.scheduler import Scheduler
 from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2 import functional as TF
 
@@ -30,7 +31,7 @@ from ..engine.probes import Probe, get_probes
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..models import backbone_arguments, build_model, create_model
-from ..models.dino import DINOHead, MultiCropNetwork
+from ..models.dino import DINOHead, MultiCropNetwork, interpolate_positions
 from ..models.stats import count_params
 from ..tracking.records import RunRecord
 from . import Task, evaluated, register_task
@@ -103,6 +104,22 @@ def cosine_schedule(base: float, final: float, total: int, warmup: int = 0,
     return np.concatenate([ramp, cosine])
 
 
+class ScheduleArray(Scheduler):
+    """A per-update lr schedule given as an array (DINO's ``utils.cosine_scheduler``), in timm's scheduler
+    interface, so that the trainer steps and resumes it as any other."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, values: np.ndarray) -> None:
+        self.values = values
+        super().__init__(optimizer, "lr", t_in_epochs=False)
+        self.update_groups(self._get_lr(0))
+
+    def _get_lr(self, t: int) -> list[float]:
+        return [float(self.values[min(t, len(self.values) - 1)])] * len(self.base_values)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in super().state_dict().items() if k != "values"}  # the config makes them
+
+
 def teacher_temperatures(warmup_temp: float, temp: float, warmup_epochs: int, epochs: int) -> np.ndarray:
     """Per epoch: linear from ``warmup_temp`` to ``temp`` over ``warmup_epochs`` (inclusive), then
     ``temp``."""
@@ -112,27 +129,47 @@ def teacher_temperatures(warmup_temp: float, temp: float, warmup_epochs: int, ep
 
 
 class DINOLoss(nn.Module):
-    """DINO's loss and centre; ``crops``: views per image, the first two global."""
+    """DINO's loss and centre; ``crops``: views per image, the first two global.
+
+    The loss takes the centre as it stands; the teacher outputs it saw are summed until
+    :meth:`update_center`, once per optimizer update (``DINOLoss.update_center`` of ``main_dino.py`` runs
+    once per iteration over the global batch), so that accumulating k micro-batches moves the centre as one
+    batch k times larger does."""
 
     def __init__(self, out_dim: int, crops: int, student_temp: float = 0.1,
                  center_momentum: float = 0.9) -> None:
         super().__init__()
         self.crops, self.student_temp, self.center_momentum = crops, student_temp, center_momentum
         self.register_buffer("center", torch.zeros(1, out_dim))
+        self.pending_sum = torch.zeros(1, out_dim, dtype=torch.float64)
+        self.pending_count = 0
 
     def forward(self, student: torch.Tensor, teacher: torch.Tensor, teacher_temp: float) -> torch.Tensor:
         student_views = (student / self.student_temp).chunk(self.crops)
         targets = F.softmax((teacher - self.center) / teacher_temp, dim=-1).detach().chunk(2)
         terms = [torch.sum(-q * F.log_softmax(s, dim=-1), dim=-1).mean()
                  for iq, q in enumerate(targets) for v, s in enumerate(student_views) if v != iq]
-        self.update_center(teacher)
+        self.accumulate(teacher)
         return sum(terms) / len(terms)
 
     @torch.no_grad()
-    def update_center(self, teacher: torch.Tensor) -> None:
-        total = distributed.all_reduce_sum(teacher.sum(dim=0, keepdim=True))
-        batch_center = total / (len(teacher) * distributed.info().world_size)
+    def accumulate(self, teacher: torch.Tensor) -> None:
+        """Add one micro-batch's teacher outputs to those the next centre update averages."""
+        self.pending_sum = self.pending_sum.to(teacher.device) + teacher.sum(dim=0, keepdim=True).double()
+        self.pending_count += len(teacher)
+
+    @torch.no_grad()
+    def update_center(self) -> None:
+        """One step of the centre's EMA towards the mean teacher output since the last step, over every
+        process (all-reduced)."""
+        if not self.pending_count:
+            return
+        count = torch.tensor([float(self.pending_count)], dtype=torch.float64, device=self.center.device)
+        total = distributed.all_reduce_sum(self.pending_sum.to(self.center.device))
+        batch_center = (total / distributed.all_reduce_sum(count)).to(self.center.dtype)
         self.center = self.center * self.center_momentum + batch_center * (1 - self.center_momentum)
+        self.pending_sum = torch.zeros_like(self.pending_sum)
+        self.pending_count = 0
 
 
 # ---------------------------------------------------------------- k-NN monitor
@@ -163,6 +200,8 @@ def build_network(cfg: Any, drop_path: bool = True) -> MultiCropNetwork:
 
     def construct() -> MultiCropNetwork:
         backbone = create_model(name, **kwargs)
+        if t.pos_interpolation == "dino" and hasattr(backbone, "resample_positions"):
+            backbone.resample_positions = interpolate_positions  # the local crops' table, as DINO's ViT
         if getattr(backbone, "cls_token", None) is not None:
             nn.init.trunc_normal_(backbone.cls_token, std=0.02)  # DINO's ViT (timm starts it at 1e-6)
         head = DINOHead(backbone.num_features, t.out_dim, t.hidden_dim, t.bottleneck_dim,
@@ -184,6 +223,12 @@ def check_dino(cfg: Any) -> None:
         low, high = t[key]
         if not 0 < low <= high <= 1:
             raise UserError(f"task.{key}={list(t[key])}: [min, max] areas of the crop, 0 < min <= max <= 1")
+    for key, choices in (("lr_schedule", ("dino", "timm")), ("pos_interpolation", ("dino", "timm"))):
+        if t[key] not in choices:
+            raise UserError(f"task.{key}={t[key]}: must be one of {', '.join(choices)}")
+    if t.lr_schedule == "dino" and cfg.trainer.sched_on != "update":
+        raise UserError("task.lr_schedule=dino sets the lr every update (main_dino.py): trainer.sched_on must "
+                        "be update, or use task.lr_schedule=timm")
     with torch.device("meta"):
         build_network(cfg)
 
@@ -193,8 +238,8 @@ class DINOTrainer(Trainer):
 
     def __init__(self, cfg: Any, student: MultiCropNetwork, teacher: MultiCropNetwork, data: Any,
                  record: RunRecord, settings: Any, probes: Sequence[Probe] = ()) -> None:
-        super().__init__(cfg, student, data, record, probes)
         self.settings = settings
+        super().__init__(cfg, student, data, record, probes)
         self.teacher = teacher.to(self.device)
         self.teacher.load_state_dict(self.module.state_dict())
         self.teacher.requires_grad_(False)
@@ -206,6 +251,19 @@ class DINOTrainer(Trainer):
         self.teacher_temps = teacher_temperatures(settings.warmup_teacher_temp, settings.teacher_temp,
                                                   settings.warmup_teacher_temp_epochs, cfg.epochs)
         self.decayed = [g for g in self.optimizer.param_groups if g["weight_decay"] > 0]
+
+    def build_scheduler(self) -> Any:
+        """``task.lr_schedule=dino``: ``main_dino.py``'s lr, a linear warm-up ``np.linspace(warmup_lr, lr,
+        W)`` over W updates then a cosine to ``min_lr`` (``utils.cosine_scheduler``); ``timm``: the
+        trainer's."""
+        if self.settings.lr_schedule != "dino":
+            return super().build_scheduler()
+        cfg = self.cfg
+        ends = self.scaled_lr if cfg.get("lr_scale_warmup_min", True) else float
+        warmup = cfg.warmup_iters or int(cfg.warmup_epochs * self.updates_per_epoch)
+        values = cosine_schedule(self.scaled_lr(cfg.lr) * cfg.lr_factor, ends(cfg.min_lr),
+                                 cfg.epochs * self.updates_per_epoch, warmup, start=ends(cfg.warmup_lr))
+        return ScheduleArray(self.optimizer, values)
 
     def compute_loss(self, views: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast():
@@ -225,6 +283,7 @@ class DINOTrainer(Trainer):
 
     @torch.no_grad()
     def after_update(self) -> None:
+        self.loss.update_center()
         momentum = float(self.momenta[min(self.update - 1, len(self.momenta) - 1)])
         for student, teacher in zip(self.module.parameters(), self.teacher.parameters(), strict=True):
             teacher.mul_(momentum).add_(student.detach(), alpha=1 - momentum)

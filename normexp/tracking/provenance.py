@@ -31,8 +31,10 @@ NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress
 # trainer.decay_epochs (sched=step's interval; null: timm's default), trainer.lr_factor (1: the recipe's
 # lr), the ViTs' norm placement options (configs/backbone/family/vit.yaml) at the plain Pre-LN ViT,
 # task.probes at [alpha] (the per-epoch alpha rows every training run logged before probes were per task),
-# and the options the config shows since it takes them from the constructors (at their defaults): the
-# normalizers' and LeViT's stem stride and T2T-ViT's soft split (shown before by their micro sizes only).
+# the options the config shows since it takes them from the constructors (at their defaults): the
+# normalizers' and LeViT's stem stride and T2T-ViT's soft split (shown before by their micro sizes only),
+# and the fidelity options whose old behaviour is one value (DINO's lr schedule and local-crop positions at
+# timm's).
 IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "trainer.lr_factor": 1.0,
                                      "backbone.norm_position": "pre", "backbone.qk_norm": False,
                                      "backbone.layer_scale": None, "backbone.normformer": False,
@@ -40,7 +42,8 @@ IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "
                                      "norm.track_running_stats": True, "norm.separable": True,
                                      "norm.unbiased": True, "norm.per_channel": True,
                                      "backbone.stem_stride": 16,
-                                     "backbone.soft_split": [[7, 4, 2], [3, 2, 1], [3, 2, 1]]}
+                                     "backbone.soft_split": [[7, 4, 2], [3, 2, 1], [3, 2, 1]],
+                                     "task.lr_schedule": "timm", "task.pos_interpolation": "timm"}
 
 
 def seed_everything(seed: int) -> None:

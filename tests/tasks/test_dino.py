@@ -70,7 +70,9 @@ def test_the_loss_is_the_cross_entropy_of_every_other_view_against_each_global_o
             terms += 1
     loss = loss_fn(student, teacher, teacher_temp=0.04)
     assert loss.item() == pytest.approx(expected / terms, rel=1e-5)
-    # the centre moved to 0.9 c + 0.1 mean(teacher)
+    # the centre moves once per update (update_center), to 0.9 c + 0.1 mean(teacher)
+    assert torch.equal(loss_fn.center, torch.full((1, dim), 0.25))
+    loss_fn.update_center()
     assert torch.allclose(loss_fn.center, 0.9 * 0.25 + 0.1 * teacher.mean(dim=0, keepdim=True))
 
 
@@ -104,6 +106,119 @@ def test_knn_is_dinos_weighted_vote():
             votes[i, labels[n]] += math.exp(w / 0.07)
     expected = (votes.argmax(dim=1) == torch.tensor([0, 1, 1])).float().mean().item() * 100
     assert top1 == pytest.approx(expected) and top5 == 100.0
+
+
+def test_accumulating_k_micro_batches_is_one_batch_k_times_larger(tmp_path, monkeypatch):
+    """DINO moves the centre once per update, from the teacher outputs of the whole global batch
+    (main_dino.py, ``DINOLoss.update_center``): with ``trainer.accum_steps=4`` the first update's loss,
+    gradient and centre are those of one batch four times larger."""
+    seen: dict[int, dict] = {}
+    real_loss, real_prepare, real_after = (DINOTrainer.compute_loss, DINOTrainer.prepare_step,
+                                           DINOTrainer.after_update)
+
+    def compute_loss(self, views, targets):
+        loss = real_loss(self, views, targets)
+        if self.update == 0:
+            seen.setdefault(self.accum_steps, {"losses": []})["losses"].append(loss.item())
+        return loss
+
+    def prepare_step(self):
+        real_prepare(self)
+        if self.update == 0:
+            seen[self.accum_steps]["grads"] = {n: p.grad.clone() for n, p in self.module.named_parameters()
+                                               if p.grad is not None}
+
+    def after_update(self):
+        real_after(self)
+        if self.update == 1:
+            seen[self.accum_steps]["center"] = self.loss.center.clone()
+
+    monkeypatch.setattr(DINOTrainer, "compute_loss", compute_loss)
+    monkeypatch.setattr(DINOTrainer, "prepare_step", prepare_step)
+    monkeypatch.setattr(DINOTrainer, "after_update", after_update)
+    for batch, accum in ((8, 1), (2, 4)):
+        run(dino_cfg(f"data.batch_size={batch}", f"trainer.accum_steps={accum}", "trainer.warmup_epochs=0",
+                     epochs=1), tmp_path / f"accum{accum}")
+    one, four = seen[1], seen[4]
+    assert len(one["losses"]) == 1 and len(four["losses"]) == 4
+    assert np.mean(four["losses"]) == pytest.approx(one["losses"][0], abs=1e-6)
+    assert one["center"].abs().max() > 1e-3  # the centre moved
+    torch.testing.assert_close(four["center"], one["center"], rtol=0, atol=1e-6)
+    assert one["grads"].keys() == four["grads"].keys()
+    for name, grad in one["grads"].items():
+        torch.testing.assert_close(four["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_lr_is_dinos_cosine_scheduler_per_update_and_timms_is_an_option(tmp_path, monkeypatch):
+    """main_dino.py's lr: ``np.linspace(0, lr, W)`` over the W warm-up updates (the peak at update W - 1),
+    then a cosine to min_lr over the rest (``utils.cosine_scheduler``); timm's warm-up (t / W) on
+    request."""
+    applied: dict[str, list[float]] = {}
+    real_prepare = DINOTrainer.prepare_step
+
+    def prepare_step(self):
+        real_prepare(self)
+        applied.setdefault(self.settings.lr_schedule, []).append(self.optimizer.param_groups[0]["lr"])
+
+    monkeypatch.setattr(DINOTrainer, "prepare_step", prepare_step)
+    for schedule in ("dino", "timm"):
+        run(dino_cfg(f"task.lr_schedule={schedule}", "trainer.lr=1e-3", "trainer.min_lr=1e-5",
+                     "trainer.warmup_lr=0", epochs=2), tmp_path / schedule)
+    lrs = applied["dino"]
+    total, warmup = len(lrs), len(lrs) // 2  # one warm-up epoch of two
+    expected = [1e-3 * i / (warmup - 1) for i in range(warmup)]
+    expected += [1e-5 + 0.5 * (1e-3 - 1e-5) * (1 + math.cos(math.pi * i / (total - warmup)))
+                 for i in range(total - warmup)]
+    assert total == 10 and lrs == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert applied["timm"][1] == pytest.approx(1e-3 / warmup)  # timm's t / W: not DINO's 1 / (W - 1)
+
+
+def bicubic_by_scale(grid: np.ndarray, size: tuple[int, int], scale: tuple[float, float]) -> np.ndarray:
+    """Bicubic resampling (Keys' kernel, a = -0.75, edges repeated) of a (H, W, C) grid whose output pixel i
+    reads the input at ``(i + 0.5) / scale - 0.5``: what ``F.interpolate`` does when given a scale factor."""
+    def kernel(t: float) -> np.ndarray:
+        a = -0.75
+        d = np.abs(np.array([1 + t, t, 1 - t, 2 - t]))
+        return np.where(d <= 1, (a + 2) * d**3 - (a + 3) * d**2 + 1,
+                        np.where(d < 2, a * d**3 - 5 * a * d**2 + 8 * a * d - 4 * a, 0.0))
+
+    def along(values: np.ndarray, out: int, factor: float) -> np.ndarray:  # axis 0
+        rows = []
+        for i in range(out):
+            source = (i + 0.5) / factor - 0.5
+            first = math.floor(source)
+            taps = np.clip(np.arange(first - 1, first + 3), 0, len(values) - 1)
+            rows.append(np.tensordot(kernel(source - first), values[taps], axes=1))
+        return np.stack(rows)
+
+    return along(along(grid, size[0], scale[0]).swapaxes(0, 1), size[1], scale[1]).swapaxes(0, 1)
+
+
+def test_local_crops_take_dinos_position_interpolation(tmp_path):
+    """DINO's ViT meets a local crop's grid with ``interpolate_pos_encoding``: bicubic by the scale factor
+    (grid + 0.1) / sqrt(N), its own table at its own size; timm's size-based, antialiased resampling
+    (task.pos_interpolation=timm) gives another table."""
+    tables = {}
+    for mode in ("dino", "timm"):
+        cfg = dino_cfg("data.img_size=16", "task.local_size=6", f"task.pos_interpolation={mode}")
+        torch.manual_seed(0)
+        backbone = build_network(cfg).backbone.eval()
+        side, dim = 8, backbone.embed_dim  # 16 px in 2 px patches
+        rows, cols = np.meshgrid(np.linspace(0, 1, side), np.linspace(0, 1, side), indexing="ij")
+        smooth = np.stack([np.sin(3 * rows + k) * np.cos(2 * cols - k) for k in range(dim)], axis=-1)
+        with torch.no_grad():
+            backbone.pos_embed[0, 1:] = torch.from_numpy(smooth.reshape(side * side, dim)).float()
+            for size in (16, 6):
+                torch.manual_seed(size)
+                tokens = backbone.patch_embed(torch.randn(2, 3, size, size))
+                plain = torch.cat([backbone.cls_token.expand(2, -1, -1), tokens.flatten(1, 2)], dim=1)
+                tables[mode, size] = (backbone._pos_embed(tokens) - plain)[0]
+    grid = 3 + 0.1
+    expected = bicubic_by_scale(smooth, (3, 3), (grid / side, grid / side)).reshape(9, -1)
+    assert torch.allclose(tables["dino", 6][1:], torch.from_numpy(expected).float(), atol=1e-5)
+    assert torch.equal(tables["dino", 16], tables["timm", 16])  # the table's own grid: unchanged
+    difference = (tables["timm", 6][1:] - tables["dino", 6][1:]).norm() / tables["dino", 6][1:].norm()
+    assert difference > 0.05, difference
 
 
 # ---------------------------------------------------------------- the networks
