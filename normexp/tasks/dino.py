@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageFilter, ImageOps
-from torch import nn
 from timm.scheduler.scheduler import Scheduler
+from torch import nn
 from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2 import functional as TF
 
@@ -227,8 +227,8 @@ def check_dino(cfg: Any) -> None:
         if t[key] not in choices:
             raise UserError(f"task.{key}={t[key]}: must be one of {', '.join(choices)}")
     if t.lr_schedule == "dino" and cfg.trainer.sched_on != "update":
-        raise UserError("task.lr_schedule=dino sets the lr every update (main_dino.py): trainer.sched_on must "
-                        "be update, or use task.lr_schedule=timm")
+        raise UserError("task.lr_schedule=dino sets the lr every update (main_dino.py): set "
+                        "trainer.sched_on=update, or use task.lr_schedule=timm")
     with torch.device("meta"):
         build_network(cfg)
 
