@@ -55,6 +55,8 @@ def _device(value: str) -> str | None:
 def _optimizer(value: str) -> str | None:
     from timm.optim import list_optimizers
 
+    from . import optim  # noqa: F401  (registers normexp's optimizers with timm's)
+
     known = list_optimizers()
     name = value.lower().split("_")[-1]  # timm's prefixes: lookahead_adamw
     if name in known:
@@ -199,6 +201,7 @@ class ImageNetSchema(LoaderFields):
     auto_augment: str | None
     color_jitter: float | None = _check(**rng(0))
     interpolation: str
+    crop_sampler: str = _check(choices=["torchvision", "tf"])
     train_interpolation: str | None
     reprob: float = _check(**rng(0, 1))
     remode: str = _check(choices=["pixel", "rand", "const"])

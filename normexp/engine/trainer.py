@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from .. import distributed
+from .. import distributed, optim  # noqa: F401  (optim: normexp's optimizers in timm's factory)
 from ..data.images import unreadable_files
 from ..data.loaders import set_epoch
 from ..errors import UserError

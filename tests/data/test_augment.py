@@ -16,11 +16,12 @@ from timm.data import auto_augment
 from timm.data.mixup import Mixup
 
 from normexp.data import build_classification_data
-from normexp.data.transforms import posterize
+from normexp.data.transforms import TFRandomResizedCrop, posterize
+from normexp.optim import MAELars
 from normexp.run import run
 
 RECIPES = ["deit_imagenet", "dtn_imagenet", "swin_imagenet", "pvt_imagenet", "levit_imagenet", "t2t_imagenet",
-           "dyt_imagenet"]
+           "dyt_imagenet", "mae_linprobe"]
 
 
 def photo(seed: int, size: tuple[int, int] = (96, 80)) -> Image.Image:
@@ -63,6 +64,58 @@ def test_posterize_keeps_what_older_pillow_returned():
     assert (np.asarray(posterize(image, 2)) & 0b00111111 == 0).all()
     increasing = auto_augment.AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=10, hparams={})
     assert not np.asarray(increasing(image)).any()  # the inc1 schedule's top magnitude: 0 bits
+
+
+def tf_crop_box(width: int, height: int, scale: tuple, ratio: tuple) -> tuple[int, int, int, int]:
+    """MAE's ``util/crop.py`` box from torch's generator, as that file draws it: the area share, then the
+    log aspect ratio, each once; the rounded sides clamped to the image; the top, then the left offset."""
+    share = torch.empty(1).uniform_(scale[0], scale[1]).item()
+    log_ratio = torch.log(torch.tensor(ratio))
+    aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+    w = min(int(round((width * height * share * aspect) ** 0.5)), width)
+    h = min(int(round((width * height * share / aspect) ** 0.5)), height)
+    top = torch.randint(0, height - h + 1, size=(1,)).item()
+    return top, torch.randint(0, width - w + 1, size=(1,)).item(), h, w
+
+
+def test_the_tf_crop_draws_maes_box_and_never_falls_back_to_the_centre():
+    image = photo(0, size=(120, 90))
+    for scale, ratio in (((0.08, 1.0), (3 / 4, 4 / 3)), ((0.9, 1.0), (2.0, 3.0))):
+        for seed in range(20):
+            torch.manual_seed(seed)
+            expected = tf_crop_box(120, 90, scale, ratio)
+            torch.manual_seed(seed)
+            assert TFRandomResizedCrop.get_params(image, scale, ratio) == expected
+    # a box wider than the image: torchvision's draws fail and it crops the centre; TF's is clamped, anywhere
+    tops = set()
+    for seed in range(20):
+        torch.manual_seed(seed)
+        top, left, h, w = TFRandomResizedCrop.get_params(image, (0.9, 1.0), (2.0, 3.0))
+        assert w == 120 and left == 0
+        tops.add(top)
+    assert len(tops) > 3
+
+
+def test_mae_linear_probe_trains_with_lars_and_the_tf_crop_on_jpegs(tmp_path, run_dir, monkeypatch):
+    """experiment=mae_linprobe at a micro size on a JPEG tree: MAE's LARS on the head alone, the TF crop."""
+    root = jpeg_tree(tmp_path / "imagenet", classes=2, train=8, val=2)
+    cfg = quick_cfg("experiment=mae_linprobe", "backbone=vit_micro", f"data.root={root}",
+                    "data.num_classes=2", "data.img_size=32", "data.batch_size=4", "data.eval_batch_size=4",
+                    "data.num_workers=0", "data.pin_memory=false", "backbone.patch_size=8",
+                    "trainer.global_batch=null", "trainer.amp=null", "trainer.warmup_epochs=0")
+    data = build_classification_data(cfg.data, seed=0)
+    assert isinstance(data.train.dataset.transform.transforms[0], TFRandomResizedCrop)
+    seen = {}
+    real_step = MAELars.step
+
+    def step(self, closure=None):
+        seen["params"] = sum(p.numel() for g in self.param_groups for p in g["params"])
+        return real_step(self, closure)
+
+    monkeypatch.setattr(MAELars, "step", step)
+    summary = run(cfg, run_dir)
+    assert summary["status"] == "completed"
+    assert seen["params"] == 96 * 2 + 2  # the linear head alone (the BatchNorm has no affine)
 
 
 @pytest.fixture(scope="module")
