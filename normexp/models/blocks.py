@@ -46,13 +46,17 @@ class HeadNormAttention(Attention):
     """timm's ``Attention`` whose per-head norm slots (``q_norm``, ``k_norm``, ``v_norm``) see each head's
     tokens as ``(B * heads, N, head_dim)``; otherwise it computes what timm's does."""
 
-    def __init__(self, dim: int, num_heads: int = 8, v_norm: bool = False, **kwargs: Any) -> None:
+    def __init__(self, dim: int, num_heads: int = 8, v_norm: bool = False, head_scale: bool = False,
+                 out_norm: bool = False, **kwargs: Any) -> None:
         super().__init__(dim, num_heads=num_heads, **kwargs)
         norm_layer = kwargs.get("norm_layer")
-        if v_norm and norm_layer is None:
-            raise ValueError("v_norm needs a norm_layer")
+        if (v_norm or out_norm) and norm_layer is None:
+            raise ValueError("v_norm and out_norm need a norm_layer")
         self.v_norm = norm_layer(self.head_dim, **_factory(kwargs)) if v_norm else nn.Identity()
-        _reorder(self, ("qkv", "q_norm", "k_norm", "v_norm"))
+        # NormFormer's per-head gains (before the projection) and its norm after the projection
+        self.head_gain = nn.Parameter(torch.ones(num_heads, **_factory(kwargs))) if head_scale else None
+        self.out_norm = norm_layer(dim, **_factory(kwargs)) if out_norm else nn.Identity()
+        _reorder(self, ("qkv", "q_norm", "k_norm", "v_norm", "attn_drop", "norm", "proj", "out_norm"))
 
     @staticmethod
     def _per_head(norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
@@ -81,10 +85,23 @@ class HeadNormAttention(Attention):
                 attn = attn.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
                     else attn + attn_mask
             x = self.attn_drop(attn.softmax(dim=-1)) @ v
+        if self.head_gain is not None:
+            x = x * self.head_gain.view(1, -1, 1, 1).to(x.dtype)
         x = self.norm(x.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
         if gate is not None:
             x = x * gate
-        return self.proj_drop(self.proj(x))
+        return self.proj_drop(self.out_norm(self.proj(x)))
+
+
+class NormFormerAttention(HeadNormAttention):
+    """NormFormer's attention (arXiv 2110.09456, Sec. 2, Fig. 1): ``LN(Concat(g_1 h_1, ..., g_n h_n) W_O)``,
+    a learnable gain per head (at 1) before the output projection and a norm slot (``out_norm``) after it.
+    fairseq (``TransformerDecoderLayerBase``, ``scale_heads``) scales the projected output's channel blocks
+    instead, which its maintainers call not equivalent (fairseq issue 3973); the paper's is built here."""
+
+    def __init__(self, dim: int, num_heads: int = 8, **kwargs: Any) -> None:
+        kwargs.update(head_scale=True, out_norm=True)
+        super().__init__(dim, num_heads, **kwargs)
 
 
 class QKVNormAttention(HeadNormAttention):

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..norms.layout import FoldedHeads, TokenLayout
 from .base import NormContext, PlainBackbone
-from .blocks import PER_HEAD_SLOTS, HeadNormAttention, block_class
+from .blocks import PER_HEAD_SLOTS, HeadNormAttention, NormFormerAttention, block_class
 from .pyramid import SimpleFeaturePyramid
 from .registry import register_size
 
@@ -56,8 +56,11 @@ class ViT(VisionTransformer, PlainBackbone):
                 raise ValueError(f"layer_scale is LayerScale's initial value, > 0 (null: off), got "
                                  f"{layer_scale}")
             kwargs["init_values"] = layer_scale
-        if normformer:
-            kwargs.update(scale_attn_norm=True, scale_mlp_norm=True)
+        if normformer:  # NormFormer: head gains and a norm after the attention, a norm after the MLP's GELU
+            if norm_position != "pre":
+                raise ValueError(f"normformer adds its norms to the Pre-LN block (arXiv 2110.09456, Sec. 2): "
+                                 f"it needs norm_position=pre, got {norm_position!r}")
+            kwargs.update(attn_layer=NormFormerAttention, scale_mlp_norm=True)
         if dtn_blocks is not None:
             if not 0 < dtn_blocks <= kwargs.get("depth", 12):
                 raise ValueError(f"dtn_blocks must be in 1..depth, got {dtn_blocks}")

@@ -78,6 +78,41 @@ def test_each_position_is_its_formula(position, layer_scale):
     torch.testing.assert_close(blk(x), by_hand(blk, x, position), rtol=1e-5, atol=1e-5)
 
 
+def normformer_by_hand(blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """NormFormer's Pre-LN block (arXiv 2110.09456, Sec. 2): x + LN(Concat(g_i h_i) W_O), then
+    x + LN(GELU(LN(x) W_1)) W_2 (LN: the block's norms, each with its own affine)."""
+    a, b, n, c = blk.attn, *x.shape
+    h = a.num_heads
+    qkv = F.linear(ln(x, blk.norm1), a.qkv.weight, a.qkv.bias).split(c, dim=-1)
+    q, k, v = (t.reshape(b, n, h, c // h).transpose(1, 2) for t in qkv)
+    heads = (q @ k.transpose(-2, -1) / (c // h) ** 0.5).softmax(dim=-1) @ v  # (b, h, n, c / h)
+    heads = heads * a.head_gain.view(1, h, 1, 1)
+    x = x + ln(F.linear(heads.transpose(1, 2).reshape(b, n, c), a.proj.weight, a.proj.bias), a.out_norm)
+    m = blk.mlp
+    hidden = ln(F.gelu(F.linear(ln(x, blk.norm2), m.fc1.weight, m.fc1.bias)), m.norm)
+    return x + F.linear(hidden, m.fc2.weight, m.fc2.bias)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_normformer_is_its_formula(fused):
+    """Head gains before the output projection, a norm after it, a norm after the MLP's GELU: with every gain
+    and affine away from its initial value (at 1, gains before or after the projection cannot be told
+    apart)."""
+    torch.manual_seed(0)
+    model = create_model("vit_micro", num_classes=10, normformer=True).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".norm" in name or name.endswith(("out_norm.weight", "out_norm.bias", "head_gain")):
+                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.5)
+    blk = model.blocks[0]
+    blk.attn.fused_attn = fused
+    assert blk.attn.head_gain.shape == (4,) and isinstance(blk.attn.norm, nn.Identity)
+    x = torch.randn(2, 65, 96)
+    torch.testing.assert_close(blk(x), normformer_by_hand(blk, x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="normformer .* needs norm_position=pre"):
+        create_model("vit_micro", num_classes=10, normformer=True, norm_position="post")
+
+
 def test_res_post_is_timms_res_post_block():
     """Without LayerScale the block is timm's ResPostBlock; with it, the function timm's init_values gives
     at initialisation (timm starts the norms' weight there, ours a LayerScale after the norm)."""
@@ -135,15 +170,15 @@ def test_the_slots_of_each_position_and_switch():
         assert slots[-1] == "norm"  # the final norm stays (see normexp/models/vit.py)
     model = create_model("vit_micro", num_classes=10, qk_norm=True, layer_scale=1e-5, normformer=True)
     blk = "blocks.0."
-    assert {blk + s for s in ("norm1", "attn.q_norm", "attn.k_norm", "attn.norm", "norm2", "mlp.norm")} <= \
-        set(norm_slots(model))
+    slots = ("norm1", "attn.q_norm", "attn.k_norm", "attn.out_norm", "norm2", "mlp.norm")
+    assert {blk + s for s in slots} <= set(norm_slots(model))
     assert model.get_submodule(blk + "mlp.norm").normalized_shape == (384,)  # NormFormer's, after GELU
     gammas = {n: p for n, p in model.named_parameters() if n.endswith("gamma")}
     assert len(gammas) == 12 and all((g == 1e-5).all() for g in gammas.values())
     context = model.norm_context(blk + "attn.q_norm")
     assert context["num_heads"] == 1 and isinstance(context["layout"], FoldedHeads)
     assert context["layout"].layout is model.token_layout and context["layout"].num_heads == 4
-    assert model.norm_context(blk + "attn.norm")["num_heads"] == 4  # full width, after the heads merge
+    assert model.norm_context(blk + "attn.out_norm")["num_heads"] == 4  # full width, after the projection
 
 
 # The matrix costs ~0.1 s a case: the fast tier runs it all but the normalizers whose default build runs
