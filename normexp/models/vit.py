@@ -40,6 +40,7 @@ class ViT(VisionTransformer, PlainBackbone):
     # every position's branches end in the attention / MLP up to the slots' norms, which the methods that
     # read this (normalization-free ones) make the identity
     residual_scales = ("blocks.*.attn", "blocks.*.mlp")
+    input_embedding = ("patch_embed.*", "pos_embed", "cls_token", "reg_token")
     config_options = ("in_chans", "patch_size", "drop_path_rate", "global_pool", "dtn_blocks",
                       "norm_position", "qk_norm", "layer_scale", "normformer")
 

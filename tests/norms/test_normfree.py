@@ -1,7 +1,8 @@
 """Normalization-free baselines (DyT Table 9): ``norm=none`` leaves no normalization in the model;
 ``norm=skipinit`` starts as the identity on the residual stream (SkipInit, arXiv 2002.10444), its gates the
 only branch parameters that learn in the first step, on every family and in a task's model around one;
-``norm=fixup`` scales a ViT's branches by Fixup's formula for its depth (arXiv 1901.09321);
+``norm=fixup`` initialises a ViT as Fixup's Transformer code (arXiv 1901.09321) or T-Fixup's (Huang et al.
+2020) does, a ResNet as Fixup's ResNet code;
 ``norm=sigma_reparam`` keeps every weight's spectral norm at its learnable scalar (arXiv 2303.06296)."""
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from torch import nn
 
 from normexp.errors import UserError
 from normexp.models import build_backbone, build_model, check_buildable
-from normexp.norms.fixup import value_rows
 from normexp.norms.normfree import NoNorm, residual_branches
 from normexp.norms.placement import SLOT_TYPES
 from normexp.norms.sigma_reparam import SpectralReparam
@@ -61,24 +61,87 @@ def test_a_model_without_residual_branches_is_one_line():
         build_model(lambda: nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), {"name": "skipinit"}, "a toy")
 
 
-def test_fixup_scales_the_value_paths_by_its_formula_for_the_depth_and_zeroes_the_last_layers():
+@pytest.fixture
+def kept_draws(monkeypatch):
+    """Xavier's draws keep the weights as built, so that a rule's scaling is seen exactly."""
+    monkeypatch.setattr(torch.nn.init, "xavier_uniform_", lambda tensor, gain=1.0: tensor)
+
+
+def test_fixup_is_zhangs_transformer_code(kept_draws):
+    """hongyi-zhang/Fixup transformer_zero.py: L = the residual branches (2 x 6); the fused q, k, v
+    projection x L^(-1/6), fc1 x L^(-1/2), the output projection, fc2 and the classifier at zero, no biases;
+    a scalar shift on the attention's input and before fc1, the activation and fc2, a multiplier on each
+    branch, and a shift and a multiplier where the final norm was. (ViT-B: 0.5888 and 0.2041.)"""
     plain, fixup = vit("none"), vit("fixup")  # same seed, same draws: Fixup only rescales after
-    scale = (2 * 6) ** (-1 / (2 * 2 - 2))  # L = 12 branches of m = 2 weight layers: L^(-1/2)
+    depth = 2 * 6
     for i in range(6):
         before, after = plain.blocks[i], fixup.blocks[i]
-        v = value_rows("qkv", after.attn.qkv)
-        assert v == slice(192, 288)
-        torch.testing.assert_close(after.attn.qkv.weight[v], before.attn.qkv.weight[v] * scale)
-        assert torch.equal(after.attn.qkv.weight[:192], before.attn.qkv.weight[:192])  # q, k as built
-        torch.testing.assert_close(after.mlp.fc1.weight, before.mlp.fc1.weight * scale)
+        torch.testing.assert_close(after.attn.qkv.weight, before.attn.qkv.weight * depth ** (-1 / 6))
+        torch.testing.assert_close(after.mlp.fc1.weight, before.mlp.fc1.weight * depth ** (-1 / 2))
+        assert not after.attn.qkv.bias.any() and not after.mlp.fc1.bias.any()
         for last in (after.attn.proj, after.mlp.fc2):
             assert not last.weight.any() and not last.bias.any()
     assert not fixup.head.weight.any()
     assert torch.equal(fixup.patch_embed.proj.weight, plain.patch_embed.proj.weight)
     scalars = {n for n, _ in fixup.named_parameters()} - {n for n, _ in plain.named_parameters()}
-    assert {"blocks.0.attn.fixup_scale", "blocks.0.attn.fixup_bias", "blocks.0.attn.qkv.fixup_bias",
-            "blocks.0.mlp.act.fixup_bias", "blocks.5.mlp.fc2.fixup_bias"} <= scalars
-    assert len(scalars) == 6 * (2 + 2 + 2 + 3)  # per block: 2 x (scale, bias), qkv, proj, fc1, act, fc2
+    per_block = ("attn.fixup_bias", "attn.fixup_scale", "mlp.fc1.fixup_bias", "mlp.act.fixup_bias",
+                 "mlp.fc2.fixup_bias", "mlp.fixup_scale")
+    assert {f"blocks.{i}.{n}" for i in range(6) for n in per_block} | {"norm.fixup_bias",
+                                                                        "norm.fixup_scale"} == scalars
+    assert round(24 ** (-1 / 6), 4) == 0.5888 and round(24 ** (-1 / 2), 4) == 0.2041
+
+
+def test_t_fixup_is_huangs_encoder_rule(kept_draws):
+    """layer6ai-labs/T-Fixup fixup_initialization for N = 6 blocks: the value rows x sqrt(2) 0.67 N^(-1/4)
+    (over fairseq's gain-1/sqrt(2) draw), the output projection and the MLP x 0.67 N^(-1/4), queries and keys
+    as drawn, the input embedding x (9N)^(-1/4); nothing at zero, no new parameter (ViT-B: 0.3600, 0.3102)."""
+    plain = vit("none")
+    torch.manual_seed(0)
+    cfg = compose_cfg("backbone=vit_micro", "norm=fixup", "norm.rule=t_fixup")
+    fixup = build_backbone(cfg.backbone, cfg.norm)
+    f, g = 0.67 * 6 ** (-1 / 4), (9 * 6) ** (-1 / 4)
+    for i in range(6):
+        before, after = plain.blocks[i], fixup.blocks[i]
+        torch.testing.assert_close(after.attn.qkv.weight[:192], before.attn.qkv.weight[:192])
+        torch.testing.assert_close(after.attn.qkv.weight[192:], before.attn.qkv.weight[192:] * 2 ** 0.5 * f)
+        for name in ("attn.proj", "mlp.fc1", "mlp.fc2"):
+            layer = after.get_submodule(name)
+            torch.testing.assert_close(layer.weight, before.get_submodule(name).weight * f)
+            assert not layer.bias.any()
+    for name in ("patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed", "cls_token"):
+        torch.testing.assert_close(fixup.get_parameter(name), plain.get_parameter(name) * g)
+    assert fixup.state_dict().keys() == plain.state_dict().keys()
+    assert round(0.67 * 12 ** (-1 / 4), 4) == 0.3600 and round((9 * 12) ** (-1 / 4), 4) == 0.3102
+
+
+def test_t_fixup_takes_each_stack_on_its_own_and_refuses_convolutional_branches(kept_draws):
+    """MAE: the encoder's and the decoder's blocks are two stacks, each with its own N; a ResNet has no
+    Transformer block, where T-Fixup is defined: one line."""
+    torch.manual_seed(0)
+    plain = build_mae(compose_cfg("task=mae", "norm=none"))
+    torch.manual_seed(0)
+    cfg = compose_cfg("task=mae", "norm=fixup", "norm.rule=t_fixup")
+    fixup = build_mae(cfg)
+    for stack in ("encoder.blocks", "decoder_blocks"):
+        name, factor = f"{stack}.0.mlp.fc1.weight", 0.67 * len(fixup.get_submodule(stack)) ** -0.25
+        torch.testing.assert_close(fixup.get_parameter(name), plain.get_parameter(name) * factor)
+    cfg = compose_cfg("backbone=resnet50_micro", "norm=fixup", "norm.rule=t_fixup")
+    with pytest.raises(UserError, match="norm.rule=t_fixup is T-Fixup's rule for Transformer") as error:
+        build_backbone(cfg.backbone, cfg.norm)
+    assert "\n" not in str(error.value)
+
+
+def test_the_xavier_draws_are_fairseqs():
+    """Zhang's fused [3d, d] projection drawn whole (bound sqrt(6 / 4d)) and T-Fixup's q, k, v each at gain
+    1/sqrt(2) (the same bound): before their factors."""
+    fixup = vit("fixup")
+    bound = (6 / (4 * 96)) ** 0.5
+    assert fixup.blocks[0].attn.qkv.weight.abs().max() <= bound * 12 ** (-1 / 6)
+    assert fixup.blocks[0].attn.qkv.weight.abs().max() > 0.9 * bound * 12 ** (-1 / 6)
+    torch.manual_seed(0)
+    cfg = compose_cfg("backbone=vit_micro", "norm=fixup", "norm.rule=t_fixup")
+    qkv = build_backbone(cfg.backbone, cfg.norm).blocks[0].attn.qkv.weight
+    assert bound * 0.9 < qkv[:192].abs().max() <= bound
 
 
 def test_fixup_on_a_resnet_is_the_papers_own_case_bottlenecks_of_three_layers():
