@@ -1,12 +1,15 @@
 """sigma-Reparam (Zhai et al. 2023, arXiv 2303.06296, Sec. 3), the weight-normalization-based baseline of
 DyT Table 9 (arXiv 2503.10622 Sec. 6.3): every norm slot the identity, every Linear and Conv weight used as
-``gamma / sigma(W) * W``, as apple/ml-sigma-reparam ``vision/layers.py`` does it (SVD at conversion, one
-power-iteration step per training forward, float32 under autocast, ``reinit`` as a new ``SNLinear``). The
-classifier stays plain unless ``convert_classifier``; ``plain`` names more layers to leave (fnmatch).
+``gamma / sigma(W) * W``, as apple/ml-sigma-reparam ``vision/layers.py`` ``convert_to_sn`` does it: every
+Linear and Conv2d, the classifier included (``convert_classifier``), re-initialised as a new ``SNLinear``
+(``reinit``), SVD at conversion, one power-iteration step per forward (kept in training). Ours computes sigma
+in float32 under autocast (``float32_sigma``; the repository's layer runs in the weight's dtype); ``plain``
+names layers to leave (fnmatch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 
@@ -24,27 +27,42 @@ CONVERTED = (nn.Linear, nn.Conv2d)
 class SpectralReparam(nn.Module):
     """The parametrization ``W -> gamma / sigma(W) * W`` of one weight."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, float32: bool = True) -> None:
         super().__init__()
-        matrix = weight.detach().flatten(1).float()
-        if matrix.is_meta:  # a dry build: no values to decompose
-            u, sigma = torch.empty(matrix.shape[1], device="meta"), torch.empty((), device="meta")
-        else:
-            _, singular, vh = torch.linalg.svd(matrix, full_matrices=False)
-            u, sigma = vh[0], singular[0]
-            if sigma == 0:
-                raise ValueError("a weight is all zeros at conversion (spectral norm 0): norm.reinit=true "
-                                 "re-initialises every converted layer, as apple/ml-sigma-reparam does")
+        self.float32 = float32
+        u, sigma = self.decompose(weight)
         self.register_buffer("u", u)
         self.register_buffer("sigma", sigma.reshape(1).clone())  # the latest estimate, for logging
         self.gamma = nn.Parameter(sigma.reshape(1).clone())
 
+    @staticmethod
+    def decompose(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top right-singular vector, spectral norm) of ``weight`` by SVD."""
+        matrix = weight.detach().flatten(1).float()
+        if matrix.is_meta:  # a dry build: no values to decompose
+            return torch.empty(matrix.shape[1], device="meta"), torch.empty((), device="meta")
+        _, singular, vh = torch.linalg.svd(matrix, full_matrices=False)
+        if singular[0] == 0:
+            raise ValueError("a weight is all zeros at conversion (spectral norm 0): norm.reinit=true "
+                             "re-initialises every converted layer, as apple/ml-sigma-reparam does")
+        return vh[0], singular[0]
+
+    @torch.no_grad()
+    def restart(self, weight: torch.Tensor) -> None:
+        """Start again from a re-initialised ``weight``, as a new layer would (a fine-tuning's fresh head)."""
+        u, sigma = self.decompose(weight)
+        self.u.copy_(u)
+        self.sigma.fill_(sigma)
+        self.gamma.fill_(sigma)
+
     def spectral_norm(self, weight: torch.Tensor) -> torch.Tensor:
         """sigma(W) from one power-iteration step from ``u`` (kept in training), differentiable in W."""
-        with torch.autocast("cuda" if weight.is_cuda else "cpu", enabled=False):
-            matrix = weight.flatten(1).float()
+        precision = torch.autocast("cuda" if weight.is_cuda else "cpu", enabled=False) if self.float32 \
+            else contextlib.nullcontext()  # else in the dtype the surrounding autocast gives
+        with precision:
+            matrix = weight.flatten(1).float() if self.float32 else weight.flatten(1)
             with torch.no_grad():
-                v = F.normalize(matrix.mv(self.u), dim=0)
+                v = F.normalize(matrix.mv(self.u.to(matrix.dtype)), dim=0)
                 u = F.normalize(matrix.t().mv(v), dim=0)
                 if self.training:
                     self.u.copy_(u)
@@ -72,14 +90,14 @@ class SigmaReparam(NoNorm):
     hparam_checks = {"linear_init_gain": {"above": 0}, "conv_init_gain": {"above": 0}}
 
     def __init__(self, dim: int, reinit: bool = True, linear_init_gain: float = 1.0,
-                 conv_init_gain: float = 1.0, convert_classifier: bool = False, plain: tuple[str, ...] = (),
-                 data_format: str = "channels_last") -> None:
+                 conv_init_gain: float = 1.0, convert_classifier: bool = True, plain: tuple[str, ...] = (),
+                 float32_sigma: bool = True, data_format: str = "channels_last") -> None:
         super().__init__(dim, data_format)
 
     @staticmethod
     def adapt_model(model: nn.Module, reinit: bool = True, linear_init_gain: float = 1.0,
-                    conv_init_gain: float = 1.0, convert_classifier: bool = False,
-                    plain: tuple[str, ...] = ()) -> None:
+                    conv_init_gain: float = 1.0, convert_classifier: bool = True,
+                    plain: tuple[str, ...] = (), float32_sigma: bool = True) -> None:
         kept = [] if convert_classifier else classifier_layers(model)
         layers = [(n, m) for n, m in model.named_modules() if isinstance(m, CONVERTED)
                   and not any(m is k for k in kept) and not any(fnmatch.fnmatchcase(n, p) for p in plain)]
@@ -87,6 +105,7 @@ class SigmaReparam(NoNorm):
             if reinit:
                 reinitialise(layer, linear_init_gain if isinstance(layer, nn.Linear) else conv_init_gain)
             try:
-                parametrize.register_parametrization(layer, "weight", SpectralReparam(layer.weight))
+                parametrize.register_parametrization(layer, "weight",
+                                                     SpectralReparam(layer.weight, float32_sigma))
             except ValueError as e:
                 raise ValueError(f"norm=sigma_reparam, layer {name}: {e}") from None

@@ -128,10 +128,15 @@ def start_from(model: nn.Module, cfg: Any, record: RunRecord) -> None:
     if not isinstance(head, nn.Linear):
         raise UserError(f"task.head_init_std / task.linear_probe need a linear classifier 'head'; "
                         f"{type(model).__name__} has none")
-    if cfg.task.head_init_std:  # a parametrized head (norm.convert_classifier) is initialised at its source
-        trunc_normal_(head.parametrizations.weight.original if parametrize.is_parametrized(head, "weight")
-                      else head.weight, std=cfg.task.head_init_std)
+    if cfg.task.head_init_std:  # a parametrized head (norm.convert_classifier) is initialised at its source,
+        # and a parametrization that read the old weight (sigma-Reparam's gamma and u) restarts from the new
+        parametrized = parametrize.is_parametrized(head, "weight")
+        weight = head.parametrizations.weight.original if parametrized else head.weight
+        trunc_normal_(weight, std=cfg.task.head_init_std)
         nn.init.zeros_(head.bias)
+        for parametrization in head.parametrizations.weight if parametrized else ():
+            if hasattr(parametrization, "restart"):
+                parametrization.restart(weight)
     if cfg.task.linear_probe:
         for parameter in model.parameters():
             parameter.requires_grad_(False)

@@ -17,7 +17,9 @@ from normexp.models import build_backbone, build_model, check_buildable
 from normexp.norms.normfree import NoNorm, residual_branches
 from normexp.norms.placement import SLOT_TYPES
 from normexp.norms.sigma_reparam import SpectralReparam
+from normexp.tasks.classification import start_from
 from normexp.tasks.mae import build_mae
+from normexp.tracking.records import RunRecord
 
 
 def vit(norm: str) -> nn.Module:
@@ -194,24 +196,37 @@ def test_sigma_reparam_keeps_each_weight_at_spectral_norm_gamma():
     assert torch.equal(reparam.u, u)  # the power iteration advances in training only
 
 
-def test_sigma_reparam_converts_every_weight_but_the_classifier_and_leaves_no_norm():
+def test_sigma_reparam_converts_every_weight_and_leaves_no_norm():
+    """apple/ml-sigma-reparam convert_to_sn: every Linear and Conv2d, the classifier included."""
     model = vit("sigma_reparam")
     assert not [m for m in model.modules() if isinstance(m, SLOT_TYPES)]
     converted = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))
                  and parametrize_is(m)}
     plain = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))} - converted
-    assert plain == {"head"} and "patch_embed.proj" in converted and len(converted) == 1 + 6 * 4
+    assert not plain and {"head", "patch_embed.proj"} <= converted and len(converted) == 2 + 6 * 4
     qkv = model.blocks[0].attn.qkv
     assert abs(qkv.weight.detach().std().item() - 0.02) < 2e-3  # re-initialised as a new SNLinear is
     torch.testing.assert_close(torch.linalg.matrix_norm(qkv.weight.detach(), ord=2),
                                qkv.parametrizations.weight[0].gamma.detach()[0])
 
 
-def test_the_classifier_stays_plain_in_every_family_and_fixup_zeroes_it_and_each_branch_output():
-    """Swin's classifier is head.fc, LeViT's two NormLinear heads; PVT registers its spatial reduction after
-    the output projection, which Fixup still zeroes."""
+def test_a_fine_tunings_fresh_sigma_reparam_head_starts_from_its_own_weight(tmp_path):
+    """MAE's fine-tuning re-initialises the head at 2e-5: gamma and u restart from that weight (as a new
+    SNLinear would), so that the head starts at what the recipe draws, not at the converted head's scale."""
+    cfg = compose_cfg("backbone=vit_micro", "norm=sigma_reparam", "task.head_init_std=2e-5")
+    model = build_backbone(cfg.backbone, cfg.norm)
+    start_from(model, cfg, RunRecord(tmp_path / "run", {}, writes=False))
+    original = model.head.parametrizations.weight.original
+    assert original.abs().max() < 1e-4
+    torch.testing.assert_close(model.head.weight, original)  # gamma = sigma(W): the weight as drawn
+
+
+def test_every_familys_classifier_is_found_for_sigma_reparam_and_fixup():
+    """Swin's classifier is head.fc, LeViT's two NormLinear heads: sigma-Reparam leaves them plain on request
+    (norm.convert_classifier=false) and Fixup zeroes them; PVT registers its spatial reduction after the
+    output projection, which Fixup still zeroes."""
     for name, heads in (("swin_micro", ["head.fc"]), ("levit_micro", ["head.linear", "head_dist.linear"])):
-        cfg = compose_cfg(f"backbone={name}", "norm=sigma_reparam")
+        cfg = compose_cfg(f"backbone={name}", "norm=sigma_reparam", "norm.convert_classifier=false")
         model = build_backbone(cfg.backbone, cfg.norm)
         assert not any(parametrize_is(model.get_submodule(h)) for h in heads)
         cfg = compose_cfg(f"backbone={name}", "norm=fixup")

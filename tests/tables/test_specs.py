@@ -179,6 +179,23 @@ def check_dtn_rows_start_their_position_weights_as_the_released_code(plan):
     assert all(get_path(r.config, "norm.pos_init") == "random" for r in runs)
 
 
+def check_sigma_reparam_rows_are_the_official_build(plan):
+    """apple/ml-sigma-reparam: convert_to_sn converts the classifier (vision/layers.py); its ViTs
+    (vision/vit.py): ViT-L's patch conv at init gain 0.125, and supervised, the class token, drop path 0.1 /
+    0.2."""
+    for run in plan.runs:
+        if get_path(run.config, "norm.name") != "sigma_reparam":
+            continue
+        large = get_path(run.config, "backbone.name") == "vit_large"
+        assert get_path(run.config, "norm.convert_classifier") is True
+        if get_path(run.config, "task.pretrained"):
+            continue  # a fine-tuning: the pre-training's normalizer (task.keep_pretrained_norm)
+        assert get_path(run.config, "norm.conv_init_gain") == (0.125 if large else 1.0), run.overrides
+        if get_path(run.config, "task.name") == "classification":
+            assert get_path(run.config, "backbone.global_pool") == "token"
+            assert get_path(run.config, "backbone.drop_path_rate") == (0.2 if large else 0.1)
+
+
 @pytest.mark.parametrize("table", list_tables())
 def test_every_table_plans_the_papers_recipes_at_full_scale_and_micro_members_at_smoke(plans, table):
     """One test per table, so that one worker plans each table (planning composes every point: seconds)."""
@@ -188,6 +205,7 @@ def test_every_table_plans_the_papers_recipes_at_full_scale_and_micro_members_at
     check_smoke_scale_runs_on_a_laptop(smoke)
     check_dtn_rows_start_their_position_weights_as_the_released_code(full)
     check_dtn_rows_start_their_position_weights_as_the_released_code(smoke)
+    check_sigma_reparam_rows_are_the_official_build(full)
 
 
 def test_classification_tables_read_the_reported_weights():
