@@ -128,6 +128,7 @@ class TrainerSchema:
     epochs: int = _check(**rng(1))
     device: str = _check(check=_device)
     amp: str | None = _check(choices=["bf16", "fp16", None])
+    tf32: bool
     opt: str = _check(check=_optimizer)
     lr: float = _check(above=0)
     lr_base_size: int | None = _check(**rng(1))

@@ -81,11 +81,11 @@ class GaussianDiffusion:
     """The process for ``betas``; ``timestep_map``: the original index of each (respaced) step."""
 
     def __init__(self, betas: np.ndarray, learn_sigma: bool = True,
-                 timestep_map: list[int] | None = None) -> None:
+                 timestep_map: list[int] | None = None, sigma_small: bool = False) -> None:
         betas = np.asarray(betas, dtype=np.float64)
         if betas.ndim != 1 or not ((betas > 0) & (betas <= 1)).all():
             raise ValueError("betas must be a 1-D array in (0, 1]")
-        self.betas, self.learn_sigma = betas, learn_sigma
+        self.betas, self.learn_sigma, self.sigma_small = betas, learn_sigma, sigma_small
         self.num_steps = len(betas)
         self.timestep_map = torch.tensor(timestep_map if timestep_map is not None else range(self.num_steps))
         alphas = 1.0 - betas
@@ -99,15 +99,21 @@ class GaussianDiffusion:
         # zero at t=0: ADM clips its log to the next step's value
         self.posterior_log_variance_clipped = np.log(np.append(self.posterior_variance[1],
                                                                self.posterior_variance[1:]))
+        # a model that predicts no variance samples at a fixed one: DiT's create_diffusion takes ADM's
+        # FIXED_LARGE (the betas, the first step at the posterior's) unless sigma_small (FIXED_SMALL: the
+        # posterior's)
+        self.fixed_log_variance = self.posterior_log_variance_clipped if sigma_small else \
+            np.log(np.append(self.posterior_variance[1], betas[1:]))
         self.posterior_mean_coef1 = betas * np.sqrt(self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
         self.posterior_mean_coef2 = (1.0 - self.alphas_cumprod_prev) * np.sqrt(alphas) / \
             (1.0 - self.alphas_cumprod)
 
     @classmethod
-    def create(cls, steps: int = 1000, spacing: str | int | None = None,
-               learn_sigma: bool = True) -> GaussianDiffusion:
-        """DiT's ``create_diffusion``: ``steps`` linear betas, respaced to ``spacing`` when given."""
-        base = cls(linear_betas(steps), learn_sigma)
+    def create(cls, steps: int = 1000, spacing: str | int | None = None, learn_sigma: bool = True,
+               sigma_small: bool = False) -> GaussianDiffusion:
+        """DiT's ``create_diffusion``: ``steps`` linear betas, respaced to ``spacing`` when given; a learned
+        variance range, or (``learn_sigma=False``) a fixed variance and the MSE loss alone."""
+        base = cls(linear_betas(steps), learn_sigma, sigma_small=sigma_small)
         return base if spacing in (None, "") else base.respaced(spacing)
 
     def respaced(self, spacing: str | int) -> GaussianDiffusion:
@@ -117,7 +123,8 @@ class GaussianDiffusion:
         for step in kept:
             betas.append(1.0 - self.alphas_cumprod[step] / last)
             last = self.alphas_cumprod[step]
-        return GaussianDiffusion(np.array(betas), self.learn_sigma, [int(self.timestep_map[s]) for s in kept])
+        return GaussianDiffusion(np.array(betas), self.learn_sigma, [int(self.timestep_map[s]) for s in kept],
+                                 self.sigma_small)
 
     @staticmethod
     def _at(values: np.ndarray, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -152,7 +159,7 @@ class GaussianDiffusion:
             log_variance = fraction * high + (1 - fraction) * low
         else:
             eps = output
-            log_variance = self._at(self.posterior_log_variance_clipped, t, xt).expand_as(xt)
+            log_variance = self._at(self.fixed_log_variance, t, xt).expand_as(xt)
         x0 = self.predict_x0(xt, t, eps)
         if clip_denoised:
             x0 = x0.clamp(-1, 1)

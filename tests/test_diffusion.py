@@ -72,6 +72,27 @@ def test_the_learned_range_interpolates_between_the_two_log_variances(diffusion)
         torch.testing.assert_close(log_variance[:, 0, 0, 0], torch.tensor(expected[[3, 700]]).float())
 
 
+def test_a_model_without_learned_variance_samples_at_dits_fixed_variance():
+    """DiT's create_diffusion(learn_sigma=False): ADM's FIXED_LARGE, beta_t (at t = 0 the posterior's
+    variance of step 1), respaced with the betas; sigma_small: FIXED_SMALL, the posterior's; the loss is the
+    MSE alone."""
+    betas = linear_betas(1000)
+    abar = np.cumprod(1 - betas)
+    posterior_1 = betas[1] * (1 - abar[0]) / (1 - abar[1])
+    xt, t = torch.zeros(3, 2, 2, 2), torch.tensor([0, 1, 700])
+    large = GaussianDiffusion.create(1000, learn_sigma=False)
+    log_variance = large.p_mean_variance(torch.zeros_like(xt), xt, t)["log_variance"][:, 0, 0, 0]
+    expected = np.log([posterior_1, betas[1], betas[700]])
+    torch.testing.assert_close(log_variance, torch.tensor(expected).float())
+    spaced = GaussianDiffusion.create(1000, "25", learn_sigma=False)
+    np.testing.assert_allclose(spaced.fixed_log_variance[1:], np.log(spaced.betas[1:]))
+    small = GaussianDiffusion.create(1000, learn_sigma=False, sigma_small=True)
+    np.testing.assert_array_equal(small.fixed_log_variance, small.posterior_log_variance_clipped)
+    x0 = torch.randn(3, 2, 2, 2)
+    terms = large.training_losses(lambda x, steps, **_: torch.zeros_like(x), x0, t, torch.ones_like(x0))
+    assert "vb" not in terms and torch.equal(terms["loss"], terms["mse"])
+
+
 def test_the_bound_at_t0_is_the_discretised_decoder_likelihood(diffusion):
     torch.manual_seed(1)
     x0 = torch.rand(2, 3, 4, 4) * 2 - 1

@@ -26,6 +26,36 @@ def trained(tmp_path_factory):
     return cfg, run(cfg, run_dir), run_dir
 
 
+def test_the_ema_starts_as_a_copy_and_decays_from_the_first_update(tmp_path, monkeypatch):
+    """DiT's update_ema (and timm's / DeiT's ModelEma): the EMA is a copy of the initial model, then
+    ema = d ema + (1 - d) model after every update, the first included; with trainer.ema.warmup, timm's
+    warm-up decay for the update's number (timm's train.py)."""
+    from normexp.engine.trainer import Trainer
+
+    seen: dict[str, dict] = {}
+    real_prepare, real_after = Trainer.prepare_step, Trainer.after_update
+
+    def prepare_step(self):
+        if self.update == 0:
+            seen["initial"] = {k: v.clone() for k, v in self.module.state_dict().items()}
+        real_prepare(self)
+
+    def after_update(self):
+        real_after(self)
+        if self.update == 1:
+            seen["model"] = {k: v.clone() for k, v in self.module.state_dict().items()}
+            seen["ema"] = {k: v.clone() for k, v in self.ema.module.state_dict().items()}
+
+    monkeypatch.setattr(Trainer, "prepare_step", prepare_step)
+    monkeypatch.setattr(Trainer, "after_update", after_update)
+    run(quick_cfg("trainer.ema.enabled=true", "trainer.ema.decay=0.75"), tmp_path / "run")
+    moved = [k for k, v in seen["model"].items()
+             if v.is_floating_point() and not torch.equal(v, seen["initial"][k])]
+    assert moved
+    for key in moved:
+        torch.testing.assert_close(seen["ema"][key], 0.75 * seen["initial"][key] + 0.25 * seen["model"][key])
+
+
 def test_run_record_holds_config_metrics_summary_and_checkpoint(trained):
     cfg, summary, run_dir = trained
     assert yaml.safe_load((run_dir / "config.yaml").read_text()) == OmegaConf.to_container(cfg, resolve=True)

@@ -1,4 +1,4 @@
-"""Numeric precision in one place: the device, autocast and (for float16) the gradient scaler."""
+"""Numeric precision in one place: the device, autocast, (for float16) the gradient scaler, and TF32."""
 
 from __future__ import annotations
 
@@ -27,9 +27,12 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 class Precision:
-    """``amp``: null (float32), ``bf16`` or ``fp16`` autocast -- CUDA only; elsewhere float32, warned."""
+    """``amp``: null (float32), ``bf16`` or ``fp16`` autocast -- CUDA only; elsewhere float32, warned.
+    ``tf32``: float32 matrix products and convolutions on TF32 tensor cores (CUDA; DiT's train.py and DyT's
+    MAE patch set ``torch.backends.cuda.matmul.allow_tf32`` and ``cudnn.allow_tf32``); ``self.tf32``: whether
+    it is on (on a CPU it is not)."""
 
-    def __init__(self, amp: str | None, device: torch.device) -> None:
+    def __init__(self, amp: str | None, device: torch.device, tf32: bool = False) -> None:
         if amp and amp not in AMP_DTYPES:
             raise UserError(f"trainer.amp={amp} is not one of {sorted(AMP_DTYPES)} (or null for float32)")
         self.device = device
@@ -38,6 +41,11 @@ class Precision:
             log.warning("trainer.amp=%s is CUDA-only; running in float32 on %s", amp, device)
             self.dtype = None
         self.scaler = torch.amp.GradScaler("cuda") if self.dtype is torch.float16 else None
+        self.tf32 = bool(tf32) and device.type == "cuda"
+        if device.type == "cuda":  # set either way: a process may train several runs
+            torch.backends.cuda.matmul.allow_tf32 = self.tf32
+            if self.tf32:  # cuDNN's is on by default
+                torch.backends.cudnn.allow_tf32 = True
 
     def autocast(self) -> Any:
         if self.dtype is None:

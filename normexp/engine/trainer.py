@@ -65,7 +65,7 @@ class Trainer:
         self.probes = list(probes)  # run at each epoch end, their numbers in the epoch's row
         self.dist = distributed.info()
         self.device = resolve_device(cfg.device, self.dist.local_rank)
-        self.precision = Precision(cfg.amp, self.device)
+        self.precision = Precision(cfg.amp, self.device, tf32=cfg.tf32)
         self.progress = show_progress(cfg.progress) and self.dist.is_main
         model = model.to(self.device)
         self.channels_last = cfg.channels_last
@@ -93,7 +93,7 @@ class Trainer:
             raise UserError(f"the training set is smaller than one batch ({self.global_batch} images per "
                             "update): lower data.batch_size or trainer.accum_steps")
         record.update(world_size=self.dist.world_size, global_batch=self.global_batch,
-                      accum_steps=self.accum_steps)
+                      accum_steps=self.accum_steps, tf32=self.precision.tf32)
 
         # the module: timm exempts 1-D params, biases and no_weight_decay() names; its parameters: all decay
         params = self.module.parameters() if cfg.decay_norm_and_bias else self.module
@@ -326,9 +326,11 @@ class Trainer:
                 parameter.grad.mul_(coefficient.clamp(max=1.0))
 
     def after_update(self) -> None:
-        """After an update: the EMA model follows (``trainer.ema``)."""
+        """After an update: the EMA model follows (``trainer.ema``): from the copy made at the start, at
+        ``decay`` from the first update (DiT's ``update_ema``, timm's and DeiT's ``ModelEma``), or with
+        ``ema.warmup`` at timm's warm-up decay for the update's number (timm's train.py)."""
         if self.ema is not None:
-            self.ema.update(self.module, step=self.update - 1)
+            self.ema.update(self.module, step=self.update if self.cfg.ema.warmup else None)
 
     def check_divergence(self) -> None:
         """Stop with :class:`Diverged` if a loss since the last check was not finite (or over max_loss)."""

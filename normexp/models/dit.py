@@ -126,8 +126,9 @@ class DiT(nn.Module):
         self.grid = self.x_embedder.grid_size
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout)
-        # fixed; a buffer in the state dict under DiT's name, so its released checkpoints load
-        self.register_buffer("pos_embed", torch.zeros(1, self.grid[0] * self.grid[1], hidden_size))
+        # fixed, and a parameter as in DiT's models.py (its count includes it; released checkpoints load)
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.grid[0] * self.grid[1], hidden_size),
+                                      requires_grad=False)
         self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth))
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_chans)
         self.token_layout = TokenLayout(grid=tuple(self.grid), num_prefix_tokens=0)

@@ -7,8 +7,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 
-def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def count_params(model: nn.Module, trainable: bool = False) -> int:
+    """Parameters as the papers count them (fixed ones included: DiT's position table), or the trainable."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)
 
 
 @torch.no_grad()

@@ -101,7 +101,7 @@ def check_dit(cfg: Any) -> None:
         raise UserError(f"task.latent_cache_shard={task.latent_cache_shard}: images per shard, at least 1")
     if feature_kind(cfg) == "inception":
         check_inception_weights(task.fid.inception_weights)
-    reference = task.fid.reference
+    reference = reference_source(cfg)
     if reference and not Path(reference).exists():
         raise UserError(f"task.fid.reference={reference} does not exist: give ADM's reference batch (.npz) "
                         "or an ImageFolder of the reference images")
@@ -112,6 +112,30 @@ def check_dit(cfg: Any) -> None:
         load_checkpoint(task.checkpoint)
     prepared = with_model_input(cfg)
     check_buildable(prepared.backbone, prepared.norm)
+
+
+ADM_BATCHES = "https://openaipublic.blob.core.windows.net/diffusion/jul-2021/ref_batches/imagenet"
+
+
+def reference_source(cfg: Any) -> str | None:
+    """``task.fid.reference``: a path, None (the training split), or ``adm``: ADM's reference batch of
+    ImageNet at ``data.img_size`` (openai/guided-diffusion ``evaluations/README.md``; DiT and DyT score
+    against it) in the reference cache (``$NORMEXP_CACHE_DIR``, else ``outputs/fid_reference``)."""
+    reference = cfg.task.fid.reference
+    if reference != "adm":
+        return reference
+    size = cfg.data.img_size
+    name = f"VIRTUAL_imagenet{size}_labeled.npz"
+    if feature_kind(cfg) != "inception":
+        raise UserError(f"task.fid.reference=adm is ADM's ImageNet batch {name}, scored with Inception "
+                        "features: use it with task.fid.features=inception, or give a reference of your data")
+    path = default_cache_dir("fid_reference") / name
+    if not path.is_file():
+        raise UserError(f"FID is scored against ADM's reference batch {name}, and {path} does not exist: "
+                        f"download it from {ADM_BATCHES}/{size}/{name} (openai/guided-diffusion "
+                        f"evaluations/README.md) to that path or pass task.fid.reference=<its path> "
+                        "(task.fid.reference=null: the training split's statistics instead)")
+    return str(path)
 
 
 def feature_kind(cfg: Any) -> str:
@@ -220,7 +244,8 @@ class Sampler:
                  codec: LatentCodec | None, device: torch.device, seed: int) -> None:
         self.model, self.settings, self.num_classes, self.shape = model.eval(), settings, num_classes, shape
         self.codec, self.device, self.seed = codec, device, seed
-        self.diffusion = GaussianDiffusion.create(settings.diffusion_steps, settings.sampling_steps)
+        self.diffusion = GaussianDiffusion.create(settings.diffusion_steps, settings.sampling_steps,
+                                                  learn_sigma=model.learn_sigma)
         self.forward = guided(self.model, settings.guidance, null_label=num_classes, channels=shape[0])
 
     @torch.no_grad()
@@ -293,8 +318,8 @@ def generate_shards(sampler: Sampler, extractor: nn.Module, folder: Path, settin
 
 def reference_statistics(cfg: Any, extractor: nn.Module, device: torch.device) -> dict[str, np.ndarray]:
     """``task.fid.reference``: ADM's ``.npz`` or an ImageFolder's (cached); default: the training split."""
-    settings, size = cfg.task.fid, cfg.data.img_size
-    source = settings.reference
+    size = cfg.data.img_size
+    source = reference_source(cfg)
     if source and Path(source).is_file():
         return load_reference(source, size, extractor.dims)
     if source:
@@ -428,7 +453,7 @@ def with_latent_cache(cfg: Any, data: Any, codec: LatentCodec) -> Any:
 def run_dit(cfg: Any, record: RunRecord) -> dict[str, Any]:
     model = build_backbone(cfg.backbone, cfg.norm)
     codec = LatentCodec.load(str(cfg.task.vae), cfg.task.latent_scale) if latent(cfg) else None
-    record.update(params=count_params(model))
+    record.update(params=count_params(model), trainable_params=count_params(model, trainable=True))
     log.info("%s with norm=%s: %.2fM params, %s space, zero_init=%s", cfg.backbone.name, cfg.norm.name,
              record.summary["params"] / 1e6, "latent" if codec else "pixel", cfg.backbone.zero_init)
     if cfg.task.checkpoint:
@@ -444,7 +469,7 @@ def run_dit(cfg: Any, record: RunRecord) -> dict[str, Any]:
     data = build_classification_data(cfg.data, cfg.seed, train_transform=views, eval_transform=dit_views(0.0))
     if cfg.task.latent_cache:
         data = with_latent_cache(cfg, data, codec)
-    diffusion = GaussianDiffusion.create(cfg.task.diffusion_steps)
+    diffusion = GaussianDiffusion.create(cfg.task.diffusion_steps, learn_sigma=model.learn_sigma)
     trainer = DiTTrainer(cfg.trainer, model, data, record, diffusion, codec, cfg.seed,
                          get_probes(cfg.task.get("probes")))
     metrics = trainer.fit()

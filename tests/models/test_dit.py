@@ -12,6 +12,7 @@ from normexp.errors import UserError
 from normexp.models import build_model, create_model
 from normexp.models.build import backbone_arguments
 from normexp.models.dit import DiT, modulate, timestep_frequencies
+from normexp.models.stats import count_params
 from normexp.norms import get_norm_class, list_norms
 
 
@@ -25,7 +26,8 @@ def test_published_sizes_count_dits_parameters(name, params):
     """DiT's training script prints 675,129,632 for DiT-XL/2 (its count includes the fixed pos_embed)."""
     with torch.device("meta"):
         model = create_model(name)
-    assert sum(p.numel() for p in model.parameters()) + model.pos_embed.numel() == params
+    assert count_params(model) == params
+    assert count_params(model, trainable=True) == params - model.pos_embed.numel()
 
 
 def test_state_dict_names_are_dits():
@@ -112,7 +114,8 @@ def test_every_norm_fills_every_affine_free_slot_and_trains(norm):
         assert {n for n, _ in model.get_submodule(slots[0]).named_parameters()} == {"alpha"}
     out = model(torch.randn(4, 3, 8, 8), torch.randint(0, 1000, (4,)), torch.randint(0, 10, (4,)))
     out.square().mean().backward()
-    assert all(p.grad is not None for n, p in model.named_parameters() if "adaLN" not in n or "blocks" in n)
+    assert all(p.grad is not None for n, p in model.named_parameters()
+               if p.requires_grad and ("adaLN" not in n or "blocks" in n))
 
 
 def test_the_normalizer_suggests_its_papers_zero_init():

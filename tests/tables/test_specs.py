@@ -87,7 +87,8 @@ RECIPES = {
                      "trainer.warmup_epochs": 0,
                      "trainer.clip_grad": None, "task.vae": "stabilityai/sd-vae-ft-ema", "task.hflip": 0.5,
                      "task.sampling_steps": 250, "task.guidance": 1.0, "task.fid.samples": 50000,
-                     "data.img_size": 256, "backbone.class_dropout": 0.1, "backbone.learn_sigma": True},
+                     "data.img_size": 256, "backbone.class_dropout": 0.1, "backbone.learn_sigma": True,
+                     "task.fid.reference": "adm", "trainer.tf32": True, "trainer.ema.warmup": False},
     # pytorch/vision references/classification train.py defaults (DyT Table 16)
     "torchvision_imagenet": {"trainer.epochs": 90, "trainer.opt": "momentum", "trainer.lr": 0.1,
                              "trainer.lr_base_size": 256, "trainer.global_batch": 256,

@@ -59,6 +59,32 @@ def test_a_run_trains_samples_and_scores_its_ema_model(trained):
     assert (run_dir / "samples" / "epoch_0002.png").is_file()
 
 
+def test_a_dit_without_learned_variance_trains_and_counts_its_parameters_as_dit(tmp_path):
+    """backbone.learn_sigma=false trains with DiT's fixed variance; params counts the fixed position table
+    (as DiT's train.py prints), trainable_params not."""
+    summary = run(dit_cfg("backbone.learn_sigma=false", epochs=1), tmp_path / "run")
+    assert summary["status"] == "completed" and summary["metrics"]["reported"]["fd_digits"] > 0
+    model = build_backbone(dit_cfg("backbone.learn_sigma=false").backbone, {"name": "ln"})
+    assert model.final_layer.linear.out_features == model.patch ** 2 * 3  # epsilon only
+    assert summary["params"] - summary["trainable_params"] == model.pos_embed.numel() == 16 * 96
+
+
+def test_reference_adm_is_adms_batch_in_the_cache_and_one_line_where_missing(tmp_path, monkeypatch):
+    """task.fid.reference=adm (experiment=dit_imagenet's): ADM's VIRTUAL_imagenet<size>_labeled.npz, found in
+    the reference cache; missing, one line naming the file and where ADM publishes it."""
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
+    cfg = dit_cfg("task.fid.reference=adm", "task.fid.features=inception")
+    with pytest.raises(UserError) as error:
+        dit_task.reference_source(cfg)
+    message = str(error.value)
+    assert "VIRTUAL_imagenet8_labeled.npz" in message and "\n" not in message
+    assert "openaipublic.blob.core.windows.net/diffusion/jul-2021/ref_batches/imagenet/8/" in message
+    (tmp_path / "VIRTUAL_imagenet8_labeled.npz").write_bytes(b"")
+    assert dit_task.reference_source(cfg) == str(tmp_path / "VIRTUAL_imagenet8_labeled.npz")
+    with pytest.raises(UserError, match="task.fid.reference=adm is ADM's ImageNet batch"):
+        dit_task.reference_source(dit_cfg("task.fid.reference=adm"))  # the digits' features
+
+
 def test_sampling_continues_from_its_finished_shards(trained, tmp_path, monkeypatch):
     """A job killed after its first shard: the next one makes only the second, the same numbers."""
     summary, run_dir = trained
