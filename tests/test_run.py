@@ -56,6 +56,23 @@ def test_the_ema_starts_as_a_copy_and_decays_from_the_first_update(tmp_path, mon
         torch.testing.assert_close(seen["ema"][key], 0.75 * seen["initial"][key] + 0.25 * seen["model"][key])
 
 
+def test_tf32_is_set_on_cuda_only_and_recorded(trained):
+    """trainer.tf32 (DiT's train.py: torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32); a CPU run
+    records it off. The flags are process-wide, so each trainer sets them either way."""
+    from normexp.engine.precision import Precision
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        assert Precision(None, torch.device("cuda"), tf32=True).tf32 and torch.backends.cuda.matmul.allow_tf32
+        assert torch.backends.cudnn.allow_tf32
+        assert not Precision(None, torch.device("cuda"), tf32=False).tf32
+        assert not torch.backends.cuda.matmul.allow_tf32
+        assert not Precision(None, torch.device("cpu"), tf32=True).tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert trained[1]["tf32"] is False
+
+
 def test_run_record_holds_config_metrics_summary_and_checkpoint(trained):
     cfg, summary, run_dir = trained
     assert yaml.safe_load((run_dir / "config.yaml").read_text()) == OmegaConf.to_container(cfg, resolve=True)
