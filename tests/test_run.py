@@ -54,6 +54,10 @@ def test_the_ema_starts_as_a_copy_and_decays_from_the_first_update(tmp_path, mon
     assert moved
     for key in moved:
         torch.testing.assert_close(seen["ema"][key], 0.75 * seen["initial"][key] + 0.25 * seen["model"][key])
+    run(quick_cfg("trainer.ema.enabled=true", "trainer.ema.decay=0.75", "trainer.ema.warmup=true"),
+        tmp_path / "warmup")  # timm's train.py: update 1 at warm-up step 1, a copy
+    for key in moved:
+        torch.testing.assert_close(seen["ema"][key], seen["model"][key])
 
 
 def test_tf32_is_set_on_cuda_only_and_recorded(trained):

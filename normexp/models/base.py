@@ -1,8 +1,8 @@
 """The backbone contract every family in ``normexp/models`` derives from (docs/backbones.md): ``serves`` (what
 a task may ask of it), ``config_options`` (the constructor options its yaml shows), ``dense_weights``,
 ``features``, ``norm_context``, ``norm_keep``, ``no_weight_decay``, ``fixed_input_size``, ``residual_scales``,
-``input_embedding`` and ``branches_start_closed``. Put :class:`Backbone` last among a family's bases so its
-own methods win."""
+``input_embedding``, ``final_norms`` and ``branches_start_closed``. Put :class:`Backbone` last among a
+family's bases so its own methods win."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ class Backbone(nn.Module):
     fixed_input_size: tuple[int, int] | None = None
     residual_scales: Sequence[str] = ()
     input_embedding: Sequence[str] = ()  # parameters (fnmatch) that make the input tokens (T-Fixup scales)
+    final_norms: Sequence[str] = ()  # the norm(s) after the last block (Fixup puts its scalars there)
     branches_start_closed: bool = False
 
     def features(self, x: torch.Tensor) -> list[torch.Tensor]:

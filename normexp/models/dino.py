@@ -83,6 +83,10 @@ class MultiCropNetwork(nn.Module):
     def forward(self, views: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         return self.head(self.features(views))
 
+    def get_classifier(self) -> None:
+        """None: DINO's head is no classifier (its last layer is weight-normed, never zeroed or re-drawn)."""
+        return None
+
     def norm_context(self, name: str) -> NormContext:
         if not name.startswith("backbone."):
             raise ValueError(f"{name} is no norm slot of the backbone (DINO's head has none)")

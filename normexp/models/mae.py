@@ -91,6 +91,7 @@ class MaskedAutoencoder(nn.Module):
     """MAE around ``encoder`` (a normexp ViT built without a head)."""
 
     residual_scales = ("decoder_blocks.*.attn", "decoder_blocks.*.mlp")  # the encoder declares its own
+    final_norms = ("decoder_norm",)
 
     def __init__(self, encoder: nn.Module, decoder_dim: int = 512, decoder_depth: int = 8,
                  decoder_heads: int = 16, mask_ratio: float = 0.75, norm_pix_loss: bool = True,
@@ -145,6 +146,10 @@ class MaskedAutoencoder(nn.Module):
                 nn.init.zeros_(module.bias)
 
     # ------------------------------------------------------------ the contract of a model with norm slots
+    def get_classifier(self) -> nn.Module:
+        """The output layer (the pixel prediction): what a method's rule for a model's last layer takes."""
+        return self.decoder_pred
+
     def norm_context(self, name: str) -> NormContext:
         """The encoder's slots: its context; the decoder's: outside any encoder block, on the full grid."""
         if name.startswith("encoder."):

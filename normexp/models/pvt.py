@@ -97,6 +97,7 @@ class PyramidVisionTransformer(Backbone):
     serves = frozenset({CLASSIFICATION, DENSE_FEATURES})
     config_options = ("in_chans", "drop_path_rate", "num_heads", "dtn_stages")
     residual_scales = ("block[1-4].*.attn", "block[1-4].*.mlp")
+    final_norms = ("norm",)
 
     def __init__(
         self,

@@ -53,6 +53,7 @@ class Swin(timm_swin.SwinTransformer, Backbone):
     config_options = ("in_chans", "patch_size", "window_size", "drop_path_rate", "dynamic_img_size")
     dense_weights = ("feature_norms.",)  # the official detection backbone's norm on each stage output
     residual_scales = ("layers.*.blocks.*.attn", "layers.*.blocks.*.mlp")
+    final_norms = ("norm",)
 
     def __init__(self, feature_norms: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -161,6 +161,7 @@ class T2TViT(PlainBackbone):
     """T2T-ViT: the tokens-to-token module, then a class-token ViT with a fixed sinusoidal position table."""
 
     residual_scales = ("blocks.*.attn", "blocks.*.mlp")  # the ViT blocks (the T2T layers keep theirs)
+    final_norms = ("norm",)
     config_options = ("in_chans", "drop_path_rate", "tokens_type", "soft_split")
 
     def __init__(

@@ -41,6 +41,7 @@ class ViT(VisionTransformer, PlainBackbone):
     # read this (normalization-free ones) make the identity
     residual_scales = ("blocks.*.attn", "blocks.*.mlp")
     input_embedding = ("patch_embed.*", "pos_embed", "cls_token", "reg_token")
+    final_norms = ("norm", "fc_norm")
     config_options = ("in_chans", "patch_size", "drop_path_rate", "global_pool", "dtn_blocks",
                       "norm_position", "qk_norm", "layer_scale", "normformer")
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .normfree import NoNorm, branch_modules, classifier_layers, residual_branches
+from .normfree import NoNorm, branch_modules, classifier_layers, declared_modules, residual_branches
 from .registry import register_norm
 
 RULES = ("fixup", "t_fixup")
@@ -48,6 +48,10 @@ FIRST = ("sr",)  # PVT's spatial reduction feeds the keys and values, though PVT
 
 def _shift_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (args[0] + module.fixup_bias, *args[1:])
+
+
+def _shift_output(module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+    return output + module.fixup_bias
 
 
 def _scale_output(module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
@@ -62,20 +66,32 @@ def _scalar(value: float) -> nn.Parameter:
     return nn.Parameter(torch.full((1,), float(value)))
 
 
-def _add_shift(module: nn.Module) -> None:
+def _add_shift(module: nn.Module, on_output: bool = False) -> None:
+    """A learnable scalar added to ``module``'s input (or output)."""
     module.register_parameter("fixup_bias", _scalar(0.0))
-    module.register_forward_pre_hook(_shift_input)
+    if on_output:
+        module.register_forward_hook(_shift_output)
+    else:
+        module.register_forward_pre_hook(_shift_input)
 
 
-def value_rows(name: str, layer: nn.Module) -> slice:
-    """The output rows of ``layer`` on the value path: a fused ``qkv``'s last third, a ``kv``'s second
-    half, all of a ``v`` (or of a layer whose layout is unknown, LeViT's per-head interleaved ``qkv``)."""
-    leaf, rows = name.rsplit(".", 1)[-1], layer.weight.shape[0]
-    if leaf == "qkv" and rows % 3 == 0:
-        return slice(2 * rows // 3, rows)
-    if leaf == "kv" and rows % 2 == 0:
-        return slice(rows // 2, rows)
-    return slice(0, rows)
+def projection_rows(name: str, layer: nn.Module, branch: nn.Module) -> dict[str, torch.Tensor]:
+    """The output rows of an attention input layer by projection (``q``, ``k``, ``v``): a fused ``qkv``'s
+    thirds, a ``kv``'s halves, or, where the attention says its per-head widths (LeViT's ``key_dim`` and
+    ``val_dim``), each head's q, k and v rows in turn."""
+    role, rows = name.split(".")[0], layer.weight.shape[0]
+    parts = {"qkv": ("q", "k", "v"), "kv": ("k", "v")}.get(role, (role,))
+    heads, widths = getattr(branch, "num_heads", None), {"q": getattr(branch, "key_dim", None),
+                                                         "k": getattr(branch, "key_dim", None),
+                                                         "v": getattr(branch, "val_dim", None)}
+    index = torch.arange(rows)
+    if len(parts) > 1 and heads and all(widths[p] for p in parts) and \
+            rows == heads * sum(widths[p] for p in parts):
+        per_head = index.view(heads, -1).split([widths[p] for p in parts], dim=1)
+        return {p: block.flatten() for p, block in zip(parts, per_head, strict=True)}
+    if rows % len(parts):
+        return {role: index}
+    return dict(zip(parts, index.chunk(len(parts)), strict=True))
 
 
 def branch_layers(model: nn.Module, name: str, branch: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -95,6 +111,20 @@ def branch_layers(model: nn.Module, name: str, branch: nn.Module) -> list[tuple[
     return own
 
 
+def slots_before(model: nn.Module, name: str, branch: nn.Module) -> list[nn.Module]:
+    """The identity slots the branch's parent registers before it (a ResNet block's ``bn1``, ``bn2``:
+    after a convolution, before its ReLU)."""
+    if "." not in name:
+        return []
+    found = []
+    for child in model.get_submodule(name.rpartition(".")[0]).children():
+        if child is branch:
+            return found
+        if isinstance(child, NoNorm):
+            found.append(child)
+    return []
+
+
 def is_attention(layers: list[tuple[str, nn.Module]]) -> bool:
     return any(n.split(".")[0] in ATTENTION_INPUTS for n, _ in layers)
 
@@ -105,30 +135,34 @@ def stack_of(branch_name: str) -> str:
     return re.split(r"\d", branch_name, maxsplit=1)[0]
 
 
-def final_slots(model: nn.Module, branch_names: list[str]) -> list[nn.Module]:
-    """The identity slots outside every block: where a Transformer's final norm was."""
-    blocks = {name.rpartition(".")[0] + "." for name in branch_names}
-    return [m for n, m in model.named_modules() if isinstance(m, NoNorm)
-            and not any(n.startswith(b) for b in blocks)]
-
-
 def _zero(layer: nn.Module) -> None:
     layer.weight.zero_()
     if layer.bias is not None:
         layer.bias.zero_()
 
 
-def _xavier(layer: nn.Module, gain: float = 1.0, parts: int = 1, bias: str = "zero") -> None:
-    """Xavier-uniform weight at ``gain``, drawn for each of ``parts`` equal row blocks (a fused projection);
-    the bias at zero, or (``bias='default'``) torch's default for a new layer."""
-    for block in layer.weight.chunk(parts):
-        nn.init.xavier_uniform_(block, gain=gain)
+def _xavier(layer: nn.Module, gain: float = 1.0, rows: list[torch.Tensor] | None = None,
+            bias: str = "zero") -> None:
+    """Xavier-uniform weight at ``gain``, drawn for each of ``rows`` (a fused projection's parts) on its own;
+    the bias at zero, or (``bias='default'``) torch's default for a new layer. A grouped (depthwise)
+    convolution keeps its weight: Xavier's fans ignore groups."""
+    if getattr(layer, "groups", 1) == 1:
+        for index in rows if rows is not None else [torch.arange(layer.weight.shape[0])]:
+            block = layer.weight[index]
+            nn.init.xavier_uniform_(block, gain=gain)
+            layer.weight[index] = block
     if layer.bias is not None:
         if bias == "zero":
             nn.init.zeros_(layer.bias)
         else:
             bound = 1 / math.sqrt(layer.weight[0].numel())
             nn.init.uniform_(layer.bias, -bound, bound)
+
+
+def _drop_bias(layer: nn.Module) -> None:
+    """No per-channel bias (Zhang et al.'s layers are built with ``bias=False``; scalars stand in)."""
+    if layer.bias is not None:
+        layer.register_parameter("bias", None)
 
 
 @torch.no_grad()
@@ -138,7 +172,7 @@ def zhang_fixup(model: nn.Module, names: list[str], branches: list[nn.Module]) -
     depth = len(branches)
     layers = [branch_layers(model, n, b) for n, b in zip(names, branches, strict=True)]
     transformer = any(is_attention(found) for found in layers)
-    for branch, found in zip(branches, layers, strict=True):
+    for name, branch, found in zip(names, branches, layers, strict=True):
         attention = is_attention(found)
         *inputs, (_, last) = found
         m = len(found)
@@ -148,25 +182,33 @@ def zhang_fixup(model: nn.Module, names: list[str], branches: list[nn.Module]) -
                 _xavier(layer)
             layer.weight.mul_(scale)
         _zero(last)
+        for _, layer in found:
+            _drop_bias(layer)
         activations = [m for m in branch.modules() if isinstance(m, ACTIVATIONS)]
         if transformer:  # a shift on the attention's input; before each MLP layer and activation
             for module in [branch] if attention else [layer for _, layer in found] + activations:
                 _add_shift(module)
             branch.register_parameter("fixup_scale", _scalar(1.0))
             branch.register_forward_hook(_scale_output)
-        else:  # the ResNet code: a bias before each layer and activation, a multiplier and bias at the end
+        else:  # the ResNet code: a bias before each layer and each ReLU, a multiplier and bias at the end
             for module in [layer for _, layer in found] + activations:
                 _add_shift(module)
+            for slot in slots_before(model, name, branch):
+                _add_shift(slot, on_output=True)  # bias1b, bias2b
             branch.register_parameter("fixup_scale", _scalar(1.0))
             branch.register_parameter("fixup_bias", _scalar(0.0))
             branch.register_forward_hook(_scale_and_shift_output)
     if transformer:  # the final norm's place: a shift, then a multiplier
-        for slot in final_slots(model, names):
-            _add_shift(slot)
-            slot.register_parameter("fixup_scale", _scalar(1.0))
-            slot.register_forward_hook(_scale_output)
+        for slot in declared_modules(model, "final_norms"):
+            module = model.get_submodule(slot)
+            if isinstance(module, NoNorm):
+                _add_shift(module)
+                module.register_parameter("fixup_scale", _scalar(1.0))
+                module.register_forward_hook(_scale_output)
     for layer in classifier_layers(model):
         _zero(layer)
+        if not transformer:
+            _add_shift(layer)  # the ResNet code's bias before the classifier
 
 
 @torch.no_grad()
@@ -177,7 +219,7 @@ def t_fixup(model: nn.Module, names: list[str], branches: list[nn.Module]) -> No
     for name, found in zip(names, layers, strict=True):
         if is_attention(found):
             blocks[stack_of(name)] = blocks.get(stack_of(name), 0) + 1
-    for name, found in zip(names, layers, strict=True):
+    for name, branch, found in zip(names, branches, layers, strict=True):
         if stack_of(name) not in blocks:
             raise ValueError(f"norm.rule=t_fixup is T-Fixup's rule for Transformer blocks, and the residual "
                              f"branch {name} is in no stack of attention blocks: use norm.rule=fixup "
@@ -185,10 +227,11 @@ def t_fixup(model: nn.Module, names: list[str], branches: list[nn.Module]) -> No
         factor = 0.67 * blocks[stack_of(name)] ** (-1 / 4)
         for layer_name, layer in found:
             role = layer_name.split(".")[0]
-            if role in ATTENTION_INPUTS:  # q, k, v at fairseq's gain 1 / sqrt(2), biases torch's default
-                _xavier(layer, gain=1 / math.sqrt(2), parts={"qkv": 3, "kv": 2}.get(role, 1), bias="default")
-                if role not in ("q", "k"):
-                    layer.weight[value_rows(layer_name, layer)] *= math.sqrt(2) * factor
+            if role in ATTENTION_INPUTS:  # q, k, v each at fairseq's gain 1 / sqrt(2), biases torch's default
+                rows = projection_rows(layer_name, layer, branch)
+                _xavier(layer, gain=1 / math.sqrt(2), rows=list(rows.values()), bias="default")
+                if "v" in rows:
+                    layer.weight[rows["v"]] *= math.sqrt(2) * factor
             else:
                 _xavier(layer)
                 if role not in FIRST:  # the output projection and the MLP's layers

@@ -31,16 +31,22 @@ class NoNorm(nn.Module):
         return f"{self.dim}, identity"
 
 
-def residual_branches(model: nn.Module) -> list[str]:
-    """The modules of ``model`` whose output is a residual branch's (every submodule's
-    ``residual_scales``)."""
+def declared_modules(model: nn.Module, attribute: str) -> list[str]:
+    """The modules of ``model`` that its submodules name in ``attribute`` (fnmatch patterns, relative to the
+    submodule declaring them), in module order."""
     modules = dict(model.named_modules())
     names: set[str] = set()
     for prefix, module in modules.items():
-        for pattern in getattr(module, "residual_scales", ()):
+        for pattern in getattr(module, attribute, ()):
             full = f"{prefix}.{pattern}" if prefix else pattern
             names.update(n for n in modules if fnmatch.fnmatchcase(n, full))
     return [n for n in modules if n in names]
+
+
+def residual_branches(model: nn.Module) -> list[str]:
+    """The modules of ``model`` whose output is a residual branch's (every submodule's
+    ``residual_scales``)."""
+    return declared_modules(model, "residual_scales")
 
 
 def branch_modules(model: nn.Module, method: str) -> list[nn.Module]:

@@ -2,9 +2,8 @@
 DyT Table 9 (arXiv 2503.10622 Sec. 6.3): every norm slot the identity, every Linear and Conv weight used as
 ``gamma / sigma(W) * W``, as apple/ml-sigma-reparam ``vision/layers.py`` ``convert_to_sn`` does it: every
 Linear and Conv2d, the classifier included (``convert_classifier``), re-initialised as a new ``SNLinear``
-(``reinit``), SVD at conversion, one power-iteration step per forward (kept in training). Ours computes sigma
-in float32 under autocast (``float32_sigma``; the repository's layer runs in the weight's dtype); ``plain``
-names layers to leave (fnmatch).
+(``reinit``), SVD at conversion, one power-iteration step per forward (kept in training), in the dtype
+autocast gives (``float32_sigma``: in float32); ``plain`` names layers to leave (fnmatch).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ CONVERTED = (nn.Linear, nn.Conv2d)
 class SpectralReparam(nn.Module):
     """The parametrization ``W -> gamma / sigma(W) * W`` of one weight."""
 
-    def __init__(self, weight: torch.Tensor, float32: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, float32: bool = False) -> None:
         super().__init__()
         self.float32 = float32
         u, sigma = self.decompose(weight)
@@ -91,13 +90,13 @@ class SigmaReparam(NoNorm):
 
     def __init__(self, dim: int, reinit: bool = True, linear_init_gain: float = 1.0,
                  conv_init_gain: float = 1.0, convert_classifier: bool = True, plain: tuple[str, ...] = (),
-                 float32_sigma: bool = True, data_format: str = "channels_last") -> None:
+                 float32_sigma: bool = False, data_format: str = "channels_last") -> None:
         super().__init__(dim, data_format)
 
     @staticmethod
     def adapt_model(model: nn.Module, reinit: bool = True, linear_init_gain: float = 1.0,
                     conv_init_gain: float = 1.0, convert_classifier: bool = True,
-                    plain: tuple[str, ...] = (), float32_sigma: bool = True) -> None:
+                    plain: tuple[str, ...] = (), float32_sigma: bool = False) -> None:
         kept = [] if convert_classifier else classifier_layers(model)
         layers = [(n, m) for n, m in model.named_modules() if isinstance(m, CONVERTED)
                   and not any(m is k for k in kept) and not any(fnmatch.fnmatchcase(n, p) for p in plain)]

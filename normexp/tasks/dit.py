@@ -245,7 +245,8 @@ class Sampler:
         self.model, self.settings, self.num_classes, self.shape = model.eval(), settings, num_classes, shape
         self.codec, self.device, self.seed = codec, device, seed
         self.diffusion = GaussianDiffusion.create(settings.diffusion_steps, settings.sampling_steps,
-                                                  learn_sigma=model.learn_sigma)
+                                                  learn_sigma=model.learn_sigma,
+                                                  sigma_small=settings.sigma_small)
         self.forward = guided(self.model, settings.guidance, null_label=num_classes, channels=shape[0])
 
     @torch.no_grad()
@@ -469,7 +470,8 @@ def run_dit(cfg: Any, record: RunRecord) -> dict[str, Any]:
     data = build_classification_data(cfg.data, cfg.seed, train_transform=views, eval_transform=dit_views(0.0))
     if cfg.task.latent_cache:
         data = with_latent_cache(cfg, data, codec)
-    diffusion = GaussianDiffusion.create(cfg.task.diffusion_steps, learn_sigma=model.learn_sigma)
+    diffusion = GaussianDiffusion.create(cfg.task.diffusion_steps, learn_sigma=model.learn_sigma,
+                                         sigma_small=cfg.task.sigma_small)
     trainer = DiTTrainer(cfg.trainer, model, data, record, diffusion, codec, cfg.seed,
                          get_probes(cfg.task.get("probes")))
     metrics = trainer.fit()

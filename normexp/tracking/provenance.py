@@ -45,7 +45,7 @@ IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "
                                      "backbone.soft_split": [[7, 4, 2], [3, 2, 1], [3, 2, 1]],
                                      "task.lr_schedule": "timm", "task.pos_interpolation": "timm",
                                      "data.crop_sampler": "torchvision", "norm.float32_sigma": True,
-                                     "trainer.tf32": False}
+                                     "trainer.tf32": False, "task.sigma_small": False}
 
 
 def seed_everything(seed: int) -> None:

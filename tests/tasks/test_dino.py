@@ -208,16 +208,19 @@ def test_local_crops_take_dinos_position_interpolation(tmp_path):
         smooth = np.stack([np.sin(3 * rows + k) * np.cos(2 * cols - k) for k in range(dim)], axis=-1)
         with torch.no_grad():
             backbone.pos_embed[0, 1:] = torch.from_numpy(smooth.reshape(side * side, dim)).float()
-            for size in (16, 6):
-                torch.manual_seed(size)
-                tokens = backbone.patch_embed(torch.randn(2, 3, size, size))
+            for size in ((16, 16), (6, 6), (6, 4)):
+                torch.manual_seed(size[1])
+                tokens = backbone.patch_embed(torch.randn(2, 3, *size))
                 plain = torch.cat([backbone.cls_token.expand(2, -1, -1), tokens.flatten(1, 2)], dim=1)
                 tables[mode, size] = (backbone._pos_embed(tokens) - plain)[0]
-    grid = 3 + 0.1
-    expected = bicubic_by_scale(smooth, (3, 3), (grid / side, grid / side)).reshape(9, -1)
-    assert torch.allclose(tables["dino", 6][1:], torch.from_numpy(expected).float(), atol=1e-5)
-    assert torch.equal(tables["dino", 16], tables["timm", 16])  # the table's own grid: unchanged
-    difference = (tables["timm", 6][1:] - tables["dino", 6][1:]).norm() / tables["dino", 6][1:].norm()
+    # rows then columns: the w of DINO's code is the image's height (x.shape[2])
+    for key, grid in (((6, 6), (3, 3)), ((6, 4), (3, 2))):
+        scale = ((grid[0] + 0.1) / side, (grid[1] + 0.1) / side)
+        expected = bicubic_by_scale(smooth, grid, scale).reshape(grid[0] * grid[1], -1)
+        assert torch.allclose(tables["dino", key][1:], torch.from_numpy(expected).float(), atol=1e-5), key
+    assert torch.equal(tables["dino", (16, 16)], tables["timm", (16, 16)])  # the table's own grid: unchanged
+    dino, timm = tables["dino", (6, 6)][1:], tables["timm", (6, 6)][1:]
+    difference = (timm - dino).norm() / dino.norm()
     assert difference > 0.05, difference
 
 
