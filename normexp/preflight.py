@@ -11,7 +11,7 @@
    the optimizer, the global batch, Mixup's pairs, the backbone's input size -- what a task needs, asked of
    the task registry (``normexp.tasks.get_task``);
 4. with ``environment=True``, what this machine must provide: the data at ``data.root`` (layout, class
-   count), the device, the task's own inputs (a reference run).
+   count), the device, the task's own inputs (a reference run; the run it starts from, completed).
 
 ``normexp.run`` then builds the model on the meta device (``normexp.models.build.check_buildable``): what
 only the model knows (a group count that must divide every width) is refused there, still before anything
@@ -35,6 +35,7 @@ from .engine.batches import accumulation_steps
 from .errors import UserError
 from .plugins import load_plugins
 from .tasks import TASKS, get_task
+from .tasks.pretrained import check_source_completed
 from .tracking import LOGGER_CLASSES
 
 
@@ -133,10 +134,11 @@ def _device_available(cfg: DictConfig) -> None:
 
 
 def check_environment(cfg: DictConfig) -> None:
-    """The data at its root, the device, the task's own inputs."""
+    """The data at its root, the device, the task's own inputs (the run it starts from: completed)."""
     check_data(cfg.data)
     _device_available(cfg)
     task = get_task(cfg.task.name)
+    check_source_completed(cfg, task)
     if task.check is not None:
         task.check(cfg)
 

@@ -25,6 +25,7 @@ from .errors import Diverged, Interrupted, UserError, one_line, storage_error
 from .models import check_buildable
 from .preflight import resolve, validate
 from .tasks import get_task
+from .tasks.pretrained import source_run
 from .tracking import LOGGER_CLASSES
 from .tracking.lock import RunLock
 from .tracking.provenance import IDENTITY_DEFAULTS, NON_IDENTITY_KEYS, config_hash, flatten, seed_everything
@@ -238,6 +239,9 @@ def run(cfg: DictConfig, directory: str | Path | None = None, outcome: Outcome |
                                        previous=start and start.summary)
                 except OSError as e:
                     raise as_user_error(e) from e
+                source = source_run(cfg, task)  # checked completed, or started from deliberately
+                if source is not None:
+                    record.update(source=source)
                 return _run_task(task, cfg, record)
         finally:
             if lock is not None:

@@ -198,3 +198,24 @@ def test_max_loss_bounds_the_loss(run_dir):
     summary = run(quick_cfg("trainer.max_loss=1.0"), run_dir)
     assert summary["status"] == "diverged" and summary["diverged"]["step"] == 1
     assert "last_finite" not in summary["metrics"] and summary["metrics"]["final"] == {}
+
+
+@pytest.mark.parametrize("status", ["interrupted", "failed", "diverged", "running"])
+def test_a_run_that_has_not_completed_is_no_source_unless_deliberately(completed, tmp_path, status):
+    """Issue 47 (3): a fine-tune from an unfinished run is refused before its record exists (a running
+    record without a live process reads as interrupted); task.allow_incomplete_source=true starts from it,
+    and the summary says so."""
+    from conftest import plant_record
+
+    source = plant_record(completed, tmp_path / "source", status=status)
+    with pytest.raises(UserError) as error:
+        run(quick_cfg(f"task.pretrained={source}"), tmp_path / "run")
+    shown = "interrupted" if status == "running" else status
+    assert str(error.value).startswith(f"task.pretrained={source} is a run that is {shown}, not completed")
+    assert not (tmp_path / "run").exists()
+    if status == "interrupted":
+        summary = run(quick_cfg(f"task.pretrained={source}", "task.allow_incomplete_source=true"),
+                      tmp_path / "run")
+        assert summary["status"] == "completed"
+        assert summary["source"] == {"key": "task.pretrained", "run": str(source), "status": "interrupted",
+                                     "allow_incomplete": True}

@@ -5,16 +5,51 @@ encoder's final norm under ``fc_norm``, as MAE's fine-tuning) go unused; any oth
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
 from timm.layers import resample_abs_pos_embed
 from torch import nn
 
 from ..engine.checkpoint import load_checkpoint
 from ..errors import UserError
-from . import backbone_task
+from ..tracking.records import effective_status, load_record
+from . import Task, backbone_task
 
 HEAD = ("head.", "fc_norm.")  # what a classifier adds to a backbone
+
+
+def source_run(cfg: DictConfig, task: Task) -> dict[str, Any] | None:
+    """The run ``task`` starts from (its ``starts_from`` key: a run directory, or a checkpoint file in one)
+    and how far it got: ``{key, run, status, allow_incomplete}``; None when it starts from nothing or from
+    a checkpoint outside any run's directory (no record says how far it got)."""
+    if task.starts_from is None:
+        return None
+    source = OmegaConf.select(cfg, task.starts_from)
+    if not source:
+        return None
+    path = Path(str(source))
+    run_dir = path if path.is_dir() else path.parent
+    if not (run_dir / "summary.json").is_file():
+        return None
+    record = load_record(run_dir)
+    status = f"damaged: {record.damage}" if record.damage else effective_status(run_dir, record.summary)
+    return {"key": task.starts_from, "run": str(source), "status": status,
+            "allow_incomplete": bool(cfg.task.get("allow_incomplete_source", False))}
+
+
+def check_source_completed(cfg: DictConfig, task: Task) -> None:
+    """Refuse, before any work, to start from a run that has not completed (still running, interrupted,
+    failed, diverged): a result made from its partial weights would stand for good, since the same command
+    finds it done once the source finishes. ``task.allow_incomplete_source=true`` starts from it as it is,
+    deliberately (recorded, and part of the run's identity)."""
+    source = source_run(cfg, task)
+    if source is None or source["status"] == "completed" or source["allow_incomplete"]:
+        return
+    raise UserError(f"{source['key']}={source['run']} is a run that is {source['status']}, not completed: "
+                    "finish it first (run its command again), or set task.allow_incomplete_source=true to "
+                    "start from its weights as they are (recorded)")
 
 
 def starting_weights(source: Any) -> tuple[dict[str, Any], str, str]:

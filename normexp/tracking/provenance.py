@@ -34,7 +34,8 @@ NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress
 # the options the config shows since it takes them from the constructors (at their defaults): the
 # normalizers' and LeViT's stem stride and T2T-ViT's soft split (shown before by their micro sizes only),
 # and the fidelity options whose old behaviour is one value (DINO's lr schedule and local-crop positions at
-# timm's, torchvision's crop sampler, sigma-Reparam's float32 sigma, TF32 off).
+# timm's, torchvision's crop sampler, sigma-Reparam's float32 sigma, TF32 off), and
+# task.allow_incomplete_source off (every run before it started from what it was given).
 IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "trainer.lr_factor": 1.0,
                                      "backbone.norm_position": "pre", "backbone.qk_norm": False,
                                      "backbone.layer_scale": None, "backbone.normformer": False,
@@ -45,7 +46,8 @@ IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "
                                      "backbone.soft_split": [[7, 4, 2], [3, 2, 1], [3, 2, 1]],
                                      "task.lr_schedule": "timm", "task.pos_interpolation": "timm",
                                      "data.crop_sampler": "torchvision", "norm.float32_sigma": True,
-                                     "trainer.tf32": False, "task.sigma_small": False}
+                                     "trainer.tf32": False, "task.sigma_small": False,
+                                     "task.allow_incomplete_source": False}
 
 
 def seed_everything(seed: int) -> None:
