@@ -29,7 +29,7 @@ INT64_MAX = 2**63 - 1
 def rng(low: float | None = None, high: float | None = None, **kw: Any) -> dict[str, Any]:
     """Field metadata: an inclusive range (``low``/``high``), ``above``/``below`` (exclusive), ``choices``,
     ``length`` (of a list), ``items`` (checks for each element), ``check`` (a function returning what is
-    wrong, or None)."""
+    wrong, or None), ``type`` (``int`` or ``float``: for the open groups' keys, which no dataclass types)."""
     return {k: v for k, v in {"min": low, "max": high, **kw}.items() if v is not None}
 
 
@@ -299,6 +299,13 @@ def _shown(value: Any) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def _is_a(value: Any, kind: type) -> bool:
+    """``value`` is of ``kind`` (an integer is a float too; a bool is neither)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) if kind is int else isinstance(value, (int, float))
+
+
 def check_value(key: str, value: Any, check: dict[str, Any]) -> None:
     """One value (or list) against its field's checks; a float must be finite, an integer fit in 64 bits."""
     shown = f"{key}={_shown(value)}"
@@ -310,6 +317,11 @@ def check_value(key: str, value: Any, check: dict[str, Any]) -> None:
         return
     if "choices" in check and value not in check["choices"]:
         raise UserError(f"{shown}: must be one of {', '.join(_shown(c) for c in check['choices'])}")
+    if "type" in check and not _is_a(value, check["type"]):
+        what = "an integer" if check["type"] is int else "a number"
+        if isinstance(value, str):
+            raise UserError(f"{key}={value!r} is a string: must be {what} (give it unquoted)")
+        raise UserError(f"{shown}: must be {what}")
     if value is None or isinstance(value, bool):
         return
     if isinstance(value, float) and not math.isfinite(value):

@@ -6,7 +6,7 @@
    packages' and the config's ``plugins``), so that a user's normalizers and backbones are registered in
    every process that validates -- every process that builds a model -- before any name is looked up;
 2. every value fits the schema (``normexp.config``): types, ranges, choices; unknown keys are refused; every
-   float is finite and every integer fits in 64 bits;
+   float is finite and every integer fits in 64 bits; the task's settings fit its ranges (``Task.ranges``);
 3. values that depend on one another: the task and its data, the metric ``trainer.best_metric`` ranks by,
    the optimizer, the global batch, Mixup's pairs, the backbone's input size -- what a task needs, asked of
    the task registry (``normexp.tasks.get_task``);
@@ -28,7 +28,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .config import DATA_SCHEMAS, RunSchema, check_numbers, fit_schema, norm_schema
+from .config import DATA_SCHEMAS, RunSchema, check_numbers, check_value, fit_schema, norm_schema
 from .data import check_data
 from .distributed import DistInfo, launcher_env
 from .engine.batches import accumulation_steps
@@ -73,6 +73,17 @@ def _task_and_data(values: dict[str, Any]) -> Iterator[str]:
                f"task={values['task']['name']} reports {', '.join(metrics)}")
 
 
+def _task_settings(values: dict[str, Any]) -> Iterator[str]:
+    """The task's settings against its ranges (``Task.ranges``): types and bounds of the open group."""
+    settings = values["task"]
+    for key, check in get_task(settings["name"]).ranges.items():
+        value = OmegaConf.select(OmegaConf.create(settings), key, default=None)
+        try:
+            check_value(f"task.{key}", value, check)
+        except UserError as e:
+            yield str(e)
+
+
 def _batches(values: dict[str, Any]) -> Iterator[str]:
     trainer, batch = values["trainer"], values["data"]["batch_size"]
     mixup = trainer["mixup"]
@@ -114,8 +125,8 @@ def _loggers(values: dict[str, Any]) -> Iterator[str]:
         yield f"unknown logger(s) {unknown}; use logger=wandb, mlflow, none or a list of them"
 
 
-CROSS_CHECKS: tuple[Callable[[dict[str, Any]], Iterator[str]], ...] = (_trainer, _task_and_data, _batches,
-                                                                       _input_size, _probes, _loggers)
+CROSS_CHECKS: tuple[Callable[[dict[str, Any]], Iterator[str]], ...] = (
+    _trainer, _task_and_data, _task_settings, _batches, _input_size, _probes, _loggers)
 
 
 # ---------------------------------------------------------------- what the machine must provide

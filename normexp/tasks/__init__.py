@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,7 +46,9 @@ class Task:
     start from or ``normexp analyze`` can rebuild). ``settings(values)``: its own settings a table's dry run
     prints. ``backbone_kind``: the kind of model it builds from ``backbone`` (the backbone config's ``kind``;
     absent: an image backbone). ``model_input(config)``: how ``normexp analyze`` feeds a run's model its
-    validation images (None: through the data's own transform, ``model(images)``).
+    validation images (None: through the data's own transform, ``model(images)``). ``ranges``: its settings'
+    types and ranges, ``task.<key>`` (dotted: nested) -> :func:`normexp.config.rng`'s checks, refused by the
+    schema pass before any work.
     """
 
     name: str
@@ -61,6 +63,7 @@ class Task:
     settings: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     backbone_kind: str = "image"
     model_input: Callable[[dict[str, Any]], ModelInput] | None = None
+    ranges: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2 import functional as TF
 
 from .. import distributed
+from ..config import rng
 from ..data import ImageSpec, build_classification_data
 from ..engine.probes import Probe, get_probes
 from ..engine.trainer import Trainer
@@ -212,8 +213,12 @@ def build_network(cfg: Any, drop_path: bool = True) -> MultiCropNetwork:
 
 
 def check_dino(cfg: Any) -> None:
-    """Before any work: local crops the patches tile, and networks that build (on the meta device)."""
+    """Before any work: local crops no larger than the images, which the patches tile, and networks that
+    build (on the meta device)."""
     t = cfg.task
+    if t.local_size > cfg.data.img_size:
+        raise UserError(f"task.local_size={t.local_size}: the local crops are smaller than the images "
+                        f"(data.img_size={cfg.data.img_size}); use at most {cfg.data.img_size}")
     patch = cfg.backbone.get("patch_size")
     if isinstance(patch, int) and t.local_size % patch:
         raise UserError(f"task.local_size={t.local_size} is not a multiple of the patch size "
@@ -351,5 +356,15 @@ def dino_settings(values: dict[str, Any]) -> dict[str, Any]:
             "out_dim": t["out_dim"], "teacher_temp": f"{t['warmup_teacher_temp']}->{t['teacher_temp']}"}
 
 
+# a temperature divides the logits, the k-NN needs a neighbour, the head a width (main_dino.py's arguments)
+RANGES = {
+    **{key: rng(above=0, type=float) for key in ("student_temp", "teacher_temp", "warmup_teacher_temp",
+                                                 "knn_temperature")},
+    **{key: rng(1, type=int) for key in ("out_dim", "hidden_dim", "bottleneck_dim", "knn_k", "local_size")},
+    **{key: rng(0, type=int) for key in ("local_crops", "freeze_last_layer", "warmup_teacher_temp_epochs")},
+    **{key: rng(0, 1, type=float) for key in ("momentum_teacher", "center_momentum", "hflip")},
+    "weight_decay_end": rng(0, type=float),
+}
+
 register_task(Task("dino", run_dino, data=("digits", "imagenet"), metrics=metric_names, check=check_dino,
-                   backbone_weights=teacher_backbone, settings=dino_settings))
+                   backbone_weights=teacher_backbone, settings=dino_settings, ranges=RANGES))

@@ -12,10 +12,12 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torchvision.transforms import InterpolationMode, v2
 
 from .. import distributed
+from ..config import rng
 from ..data import ImageSpec, build_classification_data
 from ..engine.alpha_probe import probe_batch
 from ..engine.probes import Forward, Probe, get_probes
@@ -23,6 +25,7 @@ from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..models import backbone_arguments, build_model, create_model
 from ..models.mae import MaskedAutoencoder, unpatchify
+from ..models.registry import model_classes
 from ..models.stats import count_params
 from ..tracking.records import RunRecord
 from . import Task, evaluated, register_task
@@ -46,16 +49,22 @@ def build_mae(cfg: Any) -> MaskedAutoencoder:
 
 
 def check_mae(cfg: Any) -> None:
-    """Before any work: a mask ratio in (0, 1), and a model that builds (on the meta device)."""
-    ratio = cfg.task.mask_ratio
-    if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
-        raise UserError(f"task.mask_ratio={ratio}: the fraction of patches masked must be in (0, 1) "
-                        "(MAE: 0.75)")
+    """Before any work (the mask ratio's range: ``RANGES``): a ViT backbone, a mask that keeps a patch, and a
+    model that builds (on the meta device)."""
+    name = cfg.backbone.name
+    if not all(issubclass(c, VisionTransformer) for c in model_classes(name)):
+        raise UserError(f"MAE needs a ViT backbone (got {name}): its encoder sees the visible patches as "
+                        "tokens; pick backbone=vit_*")
     scale = list(cfg.task.crop_scale)
     if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
         raise UserError(f"task.crop_scale={scale}: [min, max] areas of the crop, 0 < min <= max <= 1")
     with torch.device("meta"):
-        build_mae(cfg)
+        model = build_mae(cfg)
+    patches = model.grid[0] * model.grid[1]
+    if int(patches * (1 - cfg.task.mask_ratio)) < 1:
+        raise UserError(f"task.mask_ratio={cfg.task.mask_ratio} keeps none of the {patches} patches of "
+                        f"backbone={name} at data.img_size={cfg.data.img_size}: use at most "
+                        f"{1 - 1 / patches:.4g}")
 
 
 def mae_views(crop_scale: tuple[float, float], hflip: float) -> Any:
@@ -192,5 +201,10 @@ def mae_settings(values: dict[str, Any]) -> dict[str, Any]:
             "norm_pix_loss": task["norm_pix_loss"]}
 
 
+# MAE's loss is over the masked patches: some must be masked (and some kept: check_mae)
+RANGES = {"mask_ratio": rng(above=0, below=1, type=float), "hflip": rng(0, 1, type=float),
+          "images": rng(0, type=int),
+          **{f"decoder.{key}": rng(1, type=int) for key in ("dim", "depth", "heads")}}
+
 register_task(Task("mae", run_mae, data=("digits", "imagenet"), metrics=metric_names, check=check_mae,
-                   backbone_weights=encoder_weights, settings=mae_settings))
+                   backbone_weights=encoder_weights, settings=mae_settings, ranges=RANGES))

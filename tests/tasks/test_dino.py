@@ -297,6 +297,16 @@ def test_a_run_monitors_knn_and_fine_tuning_starts_from_its_teacher(pretrained, 
                             "use 4 or 6"),
     (["task.local_scale=[0.5,0.2]"], "task.local_scale=[0.5, 0.2]: [min, max] areas of the crop"),
     (["backbone=convnext_micro"], "cannot build DINO over backbone 'convnext_micro' with norm 'ln': "),
+    # issue 47 (14, 21): settings out of range were results (diverged, 10 %) or tracebacks mid-run
+    (["task.student_temp=0"], "task.student_temp=0: must be > 0"),
+    (["task.teacher_temp=0", "task.warmup_teacher_temp=0"], "task.teacher_temp=0: must be > 0"),
+    (["task.knn_k=0"], "task.knn_k=0: must be >= 1"),
+    (["task.local_crops=-1"], "task.local_crops=-1: must be >= 0"),
+    (["task.local_size=0"], "task.local_size=0: must be >= 1"),
+    (["task.local_size=16"], "task.local_size=16: the local crops are smaller than the images "
+                             "(data.img_size=8); use at most 8"),
+    (["task.out_dim=0"], "task.out_dim=0: must be >= 1"),
+    (["task.freeze_last_layer=-1"], "task.freeze_last_layer=-1: must be >= 0"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, overrides, message):
     with pytest.raises(UserError) as error:

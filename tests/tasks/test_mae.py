@@ -204,10 +204,16 @@ def test_layer_decay_gives_each_block_the_mae_scale(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["task.mask_ratio=1.0"], "task.mask_ratio=1.0: the fraction of patches masked must be in (0, 1)"),
+    (["task.mask_ratio=1.0"], "task.mask_ratio=1.0: must be < 1"),
     (["task.decoder.heads=5"], "cannot build MAE over backbone 'vit_micro' with norm 'ln': decoder_heads=5 "
                                "must divide decoder_dim=64"),
-    (["backbone=swin_micro"], "cannot build MAE over backbone 'swin_micro' with norm 'ln': "),
+    # issue 47 (14, 22): a mask that keeps no patch "completed"; a string and a ConvNeXt were misread
+    (["task.mask_ratio=0.99"], "task.mask_ratio=0.99 keeps none of the 16 patches of backbone=vit_micro at "
+                               "data.img_size=8: use at most 0.9375"),
+    (["task.mask_ratio='0.5'"], "task.mask_ratio='0.5' is a string: must be a number (give it unquoted)"),
+    (["backbone=convnext_micro"], "MAE needs a ViT backbone (got convnext_micro): its encoder sees the "
+                                  "visible patches as tokens; pick backbone=vit_*"),
+    (["backbone=swin_micro"], "MAE needs a ViT backbone (got swin_micro)"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, overrides, message):
     with pytest.raises(UserError) as error:
