@@ -250,11 +250,23 @@ class PlacementSchema:
     first_blocks: int | None = checked_field(None, **rng(0))
 
 
+NAME_BYTES = 255 - len("-12345678")  # a file name's limit (ext4, XFS, APFS), less the directory's run id
+
+
+def _run_name(value: str) -> str | None:
+    """What keeps ``value`` from naming a run's directory (``<name>-<run id>``), or None."""
+    size = len(str(value).encode())
+    if size > NAME_BYTES:
+        return (f"{size} bytes long: a run's directory is named <name>-<run id>, and a file name holds 255 "
+                f"bytes; give a name of at most {NAME_BYTES}")
+    return None
+
+
 @dataclass
 class RunSchema:
     seed: int = checked_field(0, **rng(0, INT64_MAX))
     trial: int = checked_field(0, **rng(0))
-    name: str = "???"
+    name: str = checked_field("???", check=_run_name)
     tags: list[str] = field(default_factory=list)
     plugins: list[str] = field(default_factory=list)  # modules or .py files: normexp.plugins
     trainer: TrainerSchema = field(default_factory=TrainerSchema)

@@ -49,6 +49,9 @@ REFUSED = [
                                    "batch_size=50)"),
     (["logger=mlflow", "+logger.nosuch={}"], "unknown logger(s) ['nosuch']"),
     (["task=robustness"], "task=robustness needs task.checkpoint="),
+    # issue 47 (22): a name its directory cannot hold was ENAMETOOLONG
+    ([f"name={'x' * 250}"], f"name={'x' * 250}: 250 bytes long: a run's directory is named <name>-<run id>, "
+                            "and a file name holds 255 bytes; give a name of at most 246"),
 ]
 
 
