@@ -27,6 +27,9 @@ def _where(error: BaseException) -> str:
 
 
 def _failed(what: str, error: BaseException) -> UserError:
+    if isinstance(error, SystemExit):  # would end normexp without a word
+        return UserError(f"{what} exits on import (sys.exit({error.code!r}){_where(error)}): a plugin module "
+                         "only registers; put the exit under `if __name__ == '__main__':`")
     return UserError(f"{what} failed to import: {type(error).__name__}: {error}{_where(error)}")
 
 
@@ -74,7 +77,7 @@ def load_plugin(name: str) -> ModuleType:
                             "sys.path -- for ./<name>.py run with PYTHONPATH=. -- or a path to a .py file)"
                             ) from None
         raise _failed(f"plugin {name}", e) from None
-    except Exception as e:  # the plugin's own mistake: where it is, in one line
+    except (Exception, SystemExit) as e:  # the plugin's own mistake: where it is, in one line
         raise _failed(f"plugin {name}", e) from None
     _loaded[name] = module
     return module
@@ -88,7 +91,7 @@ def load_entry_points() -> list[ModuleType]:
         if key not in _loaded:
             try:
                 _loaded[key] = point.load()
-            except Exception as e:
+            except (Exception, SystemExit) as e:
                 package = f" of {point.dist.name}" if point.dist is not None else ""
                 raise _failed(f"the {ENTRY_POINT_GROUP} entry point {point.name} = {point.value}{package}",
                               e) from None

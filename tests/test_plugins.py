@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, run_cli
 
 from normexp.errors import UserError
 from normexp.plugins import load_plugin
@@ -217,3 +217,26 @@ def test_a_task_from_a_plugin_runs_as_a_shipped_one(tmp_path):
         wrong = compose(["task=count", f"plugins=[{tmp_path}/mytasks.py]", "logger=none", "data=imagenet"])
     with pytest.raises(UserError, match="task=count reads data=digits, not data=imagenet"):
         run(wrong, tmp_path / "wrong")
+
+
+def test_a_plugin_cannot_take_a_shipped_tasks_name_by_loading_first(tmp_path):
+    """Issue 47 (17): the shipped tasks register before a plugin's, in a fresh process too (where the plugin
+    loads before any task is looked up), so a plugin's task of a shipped name is one line, exit 2 -- not a
+    run under the genuine task's run id."""
+    (tmp_path / "thief.py").write_text(TASK_PLUGIN.replace('"count"', '"classification"'))
+    out = run_cli(f"plugins=[{tmp_path}/thief.py]", "logger=none", env={"NORMEXP_OUTPUT_DIR": str(tmp_path)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        "error: task 'classification' is registered twice (normexp.tasks.classification and thief): give the "
+        "plugin's task a name of its own"]
+    assert not list(tmp_path.rglob("summary.json"))
+
+
+def test_a_plugin_that_exits_on_import_is_one_line(tmp_path):
+    """Issue 47 (22): sys.exit in a plugin ended normexp without a word."""
+    (tmp_path / "leaves.py").write_text("import sys\n\nsys.exit(3)\n")
+    with pytest.raises(UserError) as error:
+        load_plugin(str(tmp_path / "leaves.py"))
+    assert str(error.value).startswith(f"plugin {tmp_path}/leaves.py exits on import (sys.exit(3) "
+                                       f"({tmp_path}/leaves.py:3)): a plugin module only registers")
+    assert "leaves" not in sys.modules
