@@ -219,3 +219,44 @@ def test_a_run_that_has_not_completed_is_no_source_unless_deliberately(completed
         assert summary["status"] == "completed"
         assert summary["source"] == {"key": "task.pretrained", "run": str(source), "status": "interrupted",
                                      "allow_incomplete": True}
+
+
+@pytest.mark.parametrize("norm", ["dyt", "sigma_reparam"])
+def test_fine_tuning_with_this_configs_norm_converts_the_starting_runs(tmp_path, norm):
+    """Issue 47 (18): task.keep_pretrained_norm=false builds LN from a DyT run (alpha dropped, as DyT's
+    release) or a sigma-Reparam run (each weight folded to gamma / sigma(W) W, the LN slots afresh), and says
+    so in the record."""
+    from normexp.engine.checkpoint import load_checkpoint
+    from normexp.models import build_backbone
+    from normexp.tasks import prepare_config
+    from normexp.tasks.classification import start_from
+    from normexp.tracking.records import RunRecord
+
+    source = tmp_path / "source"
+    assert run(quick_cfg(f"norm={norm}"), source)["status"] == "completed"
+    cfg = prepare_config(quick_cfg(f"task.pretrained={source}", "task.keep_pretrained_norm=false"))
+    assert cfg.norm.name == "ln"
+    model = build_backbone(cfg.backbone, cfg.norm)
+    record = RunRecord(tmp_path / "run", {}, writes=False)
+    start_from(model, cfg, record)
+    converted = record.summary["pretrained"]["converted"]
+    assert (converted["from"], converted["to"]) == (norm, "ln")
+    trained = build_backbone(yaml.safe_load((source / "config.yaml").read_text())["backbone"],
+                             {"name": norm}).eval()
+    trained.load_state_dict(load_checkpoint(source)["model"])
+    if norm == "dyt":
+        assert "blocks.0.norm1.alpha" in converted["dropped"] and not converted["folded"]
+        assert torch.equal(model.blocks[0].norm1.weight, trained.blocks[0].norm1.weight)
+    else:
+        assert "blocks.0.attn.qkv.weight" in converted["folded"]
+        assert "blocks.0.norm1.weight" in converted["fresh"]
+        assert torch.allclose(model.blocks[0].attn.qkv.weight, trained.blocks[0].attn.qkv.weight)
+        assert torch.equal(model.blocks[0].norm1.weight, torch.ones(96))
+
+
+def test_weights_that_do_not_fit_are_refused_before_the_record_exists(completed, tmp_path):
+    """Issue 47 (18): a refusal inside the task left a failed record, which later runs warned about and
+    tables relaunched."""
+    with pytest.raises(UserError, match="does not match the backbone ViT: unexpected"):
+        run(quick_cfg(f"task.pretrained={completed}", "+backbone.depth=4"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()

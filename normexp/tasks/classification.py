@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from timm.data import Mixup
 from timm.layers import trunc_normal_
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
@@ -29,7 +29,13 @@ from ..models import build_backbone
 from ..models.stats import count_gmacs, count_params
 from ..tracking.records import RunRecord, read_summary
 from . import Task, backbone_task, evaluated, register_task
-from .pretrained import HEAD, load_starting_weights, resized_position_embedding, starting_weights
+from .pretrained import (
+    HEAD,
+    load_starting_weights,
+    resized_position_embedding,
+    starting_weights,
+    without_source_norm,
+)
 from .robustness import check_robustness_settings, evaluate_robustness
 
 log = logging.getLogger(__name__)
@@ -78,12 +84,18 @@ class ClassificationTrainer(Trainer):
 
 
 def check_classification(cfg: Any) -> None:
-    """Before any work: the settings of the corruption evaluation after training, when it is on."""
+    """Before any work: the settings of the corruption evaluation after training, when it is on; the
+    starting run's weights against the model they go into (built on the meta device), so that a mismatch is
+    refused before the run's record exists."""
     settings = cfg.task.get("robustness")
     if settings is not None and settings.enabled:
         if settings.ema and not cfg.trainer.ema.enabled:
             raise UserError("task.robustness.ema=true needs trainer.ema.enabled=true")
         check_robustness_settings(settings, cfg.data)
+    if cfg.task.get("pretrained"):
+        prepared = with_pretrained_model(cfg)
+        with torch.device("meta"):
+            load_pretrained(build_backbone(prepared.backbone, prepared.norm), prepared)
 
 
 def with_pretrained_model(cfg: DictConfig) -> DictConfig:
@@ -107,21 +119,36 @@ def with_pretrained_model(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def load_pretrained(model: nn.Module, cfg: Any) -> dict[str, Any]:
+    """``task.pretrained``'s backbone weights into ``model`` (on the meta device: checked only), converted
+    to this config's normalizer when it is not the starting run's (``task.keep_pretrained_norm=false``);
+    returns the record's ``pretrained`` (less the starting run's metrics)."""
+    source = cfg.task.pretrained
+    weights, which, task = starting_weights(source)
+    fresh, dropped = HEAD, ("norm.",) if isinstance(getattr(model, "norm", None), nn.Identity) else ()
+    trained, norm = checkpoint_run_config(source), OmegaConf.to_container(cfg.norm, resolve=True)
+    converted = {}
+    if trained is not None and trained["norm"] != norm:
+        weights, conversion = without_source_norm(weights, trained, norm, next(model.parameters()).device)
+        fresh, dropped = (*fresh, *conversion["fresh"]), (*dropped, *conversion["dropped"])
+        converted = {"converted": conversion}
+    report = load_starting_weights(model, resized_position_embedding(model, weights), source, fresh=fresh,
+                                   dropped=dropped)
+    return {"run": str(source), "task": task, "weights": which, **report, **converted}
+
+
 def start_from(model: nn.Module, cfg: Any, record: RunRecord) -> None:
     """``task.pretrained``'s backbone weights into ``model``, ``task.head_init_std``, and for
     ``task.linear_probe`` a frozen backbone under a batch-normalised linear head."""
     source = cfg.task.get("pretrained")
     if source:
-        weights, which, task = starting_weights(source)
-        dropped = ("norm.",) if isinstance(getattr(model, "norm", None), nn.Identity) else ()
-        report = load_starting_weights(model, resized_position_embedding(model, weights), source, fresh=HEAD,
-                                       dropped=dropped)
+        report = load_pretrained(model, cfg)
         reached = read_summary(source)["metrics"].get("final", {}) \
             if (Path(source) / "summary.json").is_file() else {}  # the starting run's final evaluation
-        record.update(pretrained={"run": str(source), "task": task, "weights": which, **report,
-                                  "final": reached})
-        log.info("backbone weights: the %s weights of %s (%s run); afresh: %s; unused: %s", which, source,
-                 task, ", ".join(report["fresh"]) or "none", ", ".join(report["dropped"]) or "none")
+        record.update(pretrained={**report, "final": reached})
+        log.info("backbone weights: the %s weights of %s (%s run); afresh: %s; unused: %s", report["weights"],
+                 source, report["task"], ", ".join(report["fresh"]) or "none",
+                 ", ".join(report["dropped"]) or "none")
     if not (cfg.task.head_init_std or cfg.task.linear_probe):
         return
     head = getattr(model, "head", None)

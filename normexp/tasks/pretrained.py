@@ -8,16 +8,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from timm.layers import resample_abs_pos_embed
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..engine.checkpoint import load_checkpoint
 from ..errors import UserError
+from ..models import build_backbone
 from ..tracking.records import effective_status, load_record
 from . import Task, backbone_task
 
 HEAD = ("head.", "fc_norm.")  # what a classifier adds to a backbone
+PARAMETRIZED = ".parametrizations."  # torch.nn.utils.parametrize's keys: <module>.parametrizations.<name>...
 
 
 def source_run(cfg: DictConfig, task: Task) -> dict[str, Any] | None:
@@ -63,7 +67,8 @@ def starting_weights(source: Any) -> tuple[dict[str, Any], str, str]:
 
 def load_starting_weights(model: nn.Module, weights: dict[str, Any], source: Any, fresh: tuple[str, ...] = (),
                           dropped: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    """Load ``weights`` into ``model``; returns ``{"fresh": [...], "dropped": [...]}`` for the record."""
+    """Load ``weights`` into ``model``; returns ``{"fresh": [...], "dropped": [...]}`` for the record. A
+    model on the meta device is only checked (the check before any work)."""
     own = model.state_dict()
     kept = [k for k in own if k.startswith(fresh) and (k not in weights or weights[k].shape != own[k].shape)]
     missing = [k for k in own if k not in weights and k not in kept]
@@ -77,8 +82,38 @@ def load_starting_weights(model: nn.Module, weights: dict[str, Any], source: Any
                                       ("shape mismatch (checkpoint vs model)", wrong)) if items]
         raise UserError(f"pretrained checkpoint '{source}' does not match the backbone "
                         f"{type(model).__name__}: " + "; ".join(parts))
-    model.load_state_dict({k: v for k, v in weights.items() if k in own and k not in kept}, strict=False)
+    if not any(v.is_meta for v in own.values()):
+        model.load_state_dict({k: v for k, v in weights.items() if k in own and k not in kept}, strict=False)
     return {"fresh": kept, "dropped": unused}
+
+
+def without_source_norm(weights: dict[str, Any], trained: dict[str, Any], norm: Any,
+                        device: torch.device) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The backbone ``weights`` of the run ``trained`` (its resolved config) for the same backbone with the
+    normalizer ``norm`` instead (``task.keep_pretrained_norm=false``): every reparametrized weight folded to
+    the weight it computes in evaluation (sigma-Reparam's gamma / sigma(W) W), the source normalizer's own
+    weights (DyT's alpha) dropped, the new one's (LN's after sigma-Reparam's identities) at their
+    initialisation -- what DyT's release does when its MAE fine-tuning builds LN and loads with
+    ``strict=False``. Returns (weights, the record's ``converted``); on the meta device only the names."""
+    with torch.device(device):
+        source = build_backbone(trained["backbone"], trained["norm"])
+        target = build_backbone(trained["backbone"], norm)  # the same backbone with the new normalizer
+    if device.type != "meta":
+        own = source.state_dict()
+        source.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=False)
+    source.eval()  # sigma-Reparam's power iteration stands still
+    folded = []  # those of the weights given (not a head the source had and they lack)
+    for prefix, module in source.named_modules():
+        for name in list(getattr(module, "parametrizations", None) or ()):
+            parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+            if f"{prefix}{PARAMETRIZED}{name}.original".lstrip(".") in weights:
+                folded.append(f"{prefix}.{name}".lstrip("."))
+    plain = source.state_dict()
+    converted = {k: v for k, v in weights.items() if PARAMETRIZED not in k}  # gamma, u, sigma: folded in
+    converted.update({key: plain[key] for key in folded})
+    new = set(target.state_dict())
+    return converted, {"from": trained["norm"]["name"], "to": norm["name"], "folded": folded,
+                       "dropped": sorted(set(plain) - new), "fresh": sorted(new - set(plain))}
 
 
 def resized_position_embedding(model: nn.Module, weights: dict[str, Any]) -> dict[str, Any]:
