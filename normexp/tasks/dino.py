@@ -255,7 +255,8 @@ class DINOTrainer(Trainer):
         self.momenta = cosine_schedule(settings.momentum_teacher, 1.0, total)
         self.teacher_temps = teacher_temperatures(settings.warmup_teacher_temp, settings.teacher_temp,
                                                   settings.warmup_teacher_temp_epochs, cfg.epochs)
-        self.decayed = [g for g in self.optimizer.param_groups if g["weight_decay"] > 0]
+        # by index: a resume's optimizer.load_state_dict puts new group dicts in place of these
+        self.decayed = [i for i, g in enumerate(self.optimizer.param_groups) if g["weight_decay"] > 0]
 
     def build_scheduler(self) -> Any:
         """``task.lr_schedule=dino``: ``main_dino.py``'s lr, a linear warm-up ``np.linspace(warmup_lr, lr,
@@ -278,8 +279,9 @@ class DINOTrainer(Trainer):
             return self.loss(student.float(), teacher.float(), float(self.teacher_temps[self.epoch]))
 
     def prepare_step(self) -> None:
-        for group in self.decayed:
-            group["weight_decay"] = float(self.weight_decays[min(self.update, len(self.weight_decays) - 1)])
+        for index in self.decayed:
+            self.optimizer.param_groups[index]["weight_decay"] = float(
+                self.weight_decays[min(self.update, len(self.weight_decays) - 1)])
         super().prepare_step()
         if self.epoch < self.settings.freeze_last_layer:
             for name, parameter in self.module.named_parameters():

@@ -330,3 +330,33 @@ def test_the_centre_is_the_same_on_one_and_two_processes(tmp_path):
         centres.append(np.load(result))
     assert np.allclose(centres[0], centres[1], atol=1e-7)
     assert np.allclose(centres[0], 0.1 * outputs.mean(axis=0, keepdims=True), atol=1e-7)
+
+
+@pytest.mark.slow  # three short DINO runs: about 20 s of CPU
+def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatch):
+    """Issue 47 (19): resumed from the first epoch's checkpoint, the run goes on as if never stopped -- the
+    weight-decay schedule included, which reached the optimizer's groups of before the resume only."""
+    from normexp.engine.trainer import Trainer
+
+    quick = ("trainer.eval_interval=2",)  # the k-NN monitor once, at the end
+    uninterrupted = run(dino_cfg(*quick, epochs=2), tmp_path / "whole")
+    real_epoch = Trainer.train_one_epoch
+
+    def stopped_in_epoch_2(self, epoch):
+        if epoch == 1:
+            raise KeyboardInterrupt("killed")
+        return real_epoch(self, epoch)
+
+    monkeypatch.setattr(Trainer, "train_one_epoch", stopped_in_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        run(dino_cfg(*quick, epochs=2), tmp_path / "stopped")
+    monkeypatch.setattr(Trainer, "train_one_epoch", real_epoch)
+    resumed = run(dino_cfg(*quick, f"trainer.resume={tmp_path / 'stopped'}", epochs=2),
+                  tmp_path / "resumed")
+    assert resumed["metrics"]["final"] == uninterrupted["metrics"]["final"]
+    losses = [[r["train/loss"] for r in read_metrics(d) if "train/loss" in r and r["epoch"] == 2]
+              for d in (tmp_path / "whole", tmp_path / "resumed")]
+    assert losses[0] and losses[0] == losses[1]
+    whole, again = (load_checkpoint(tmp_path / d) for d in ("whole", "resumed"))
+    for a, b in ((whole["model"], again["model"]), (whole["task"]["teacher"], again["task"]["teacher"])):
+        assert all(torch.equal(value, b[key]) for key, value in a.items())
