@@ -20,17 +20,30 @@ ENTRY_POINT_GROUP = "normexp.plugins"
 _loaded: dict[str, ModuleType] = {}  # by the name or path the config gives, and "entry point <name>"
 
 
-def _where(error: BaseException) -> str:
-    """The innermost frame of ``error`` as ``file:line``."""
+def _where(error: BaseException, origin: str | None = None) -> str:
+    """Where ``error`` was raised as `` (file:line)``: the innermost frame in the plugin's file ``origin``,
+    if any (not a library's hook around ``sys.exit``), else the innermost."""
     frames = traceback.extract_tb(error.__traceback__)
-    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    own = [f for f in frames if origin is not None and Path(f.filename) == Path(origin)]
+    frame = (own or frames or [None])[-1]
+    return f" ({frame.filename}:{frame.lineno})" if frame is not None else ""
 
 
-def _failed(what: str, error: BaseException) -> UserError:
+def _failed(what: str, error: BaseException, origin: str | None = None) -> UserError:
+    where = _where(error, origin)
     if isinstance(error, SystemExit):  # would end normexp without a word
-        return UserError(f"{what} exits on import (sys.exit({error.code!r}){_where(error)}): a plugin module "
-                         "only registers; put the exit under `if __name__ == '__main__':`")
-    return UserError(f"{what} failed to import: {type(error).__name__}: {error}{_where(error)}")
+        return UserError(f"{what} exits on import (sys.exit({error.code!r}){where}): a plugin module only "
+                         "registers; put the exit under `if __name__ == '__main__':`")
+    return UserError(f"{what} failed to import: {type(error).__name__}: {error}{where}")
+
+
+def _origin(name: str) -> str | None:
+    """The file of the module ``name``, if it can be found."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None else None
 
 
 def _import_file(path: Path) -> ModuleType:
@@ -78,7 +91,8 @@ def load_plugin(name: str) -> ModuleType:
                             ) from None
         raise _failed(f"plugin {name}", e) from None
     except (Exception, SystemExit) as e:  # the plugin's own mistake: where it is, in one line
-        raise _failed(f"plugin {name}", e) from None
+        origin = str(Path(name).expanduser()) if is_file else _origin(name)
+        raise _failed(f"plugin {name}", e, origin) from None
     _loaded[name] = module
     return module
 
