@@ -21,7 +21,7 @@ from normexp.data.loaders import default_cache_dir
 from normexp.errors import UserError
 from normexp.metrics.fid import frechet_distance, inception_score, load_reference, statistics
 from normexp.models import build_backbone
-from normexp.models.features import DigitsFeatures, as_uint8
+from normexp.models.features import DigitsFeatures, InceptionFeatures, as_uint8
 from normexp.models.vae import LatentCodec, random_sd_vae
 from normexp.run import run
 from normexp.tasks import dit as dit_task
@@ -268,3 +268,47 @@ def test_a_reference_of_the_wrong_resolution_stops_before_training(tmp_path):
     with pytest.raises(UserError, match="are of 32 px images, the samples of 8 px"):
         run(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+class RunsCodeWhenUnpickled:
+    """A pickle's side effect: unpickling it creates ``marker`` (what a hostile weights file does)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def inception_layout() -> dict[str, torch.Tensor]:
+    """Zeros in the layout of torch-fidelity's Inception-v3 (no download: its loading is skipped)."""
+    from unittest import mock
+
+    from torch_fidelity import feature_extractor_inceptionv3 as fidelity
+
+    with mock.patch.object(torch.nn.Module, "load_state_dict"), \
+            mock.patch.object(fidelity, "load_state_dict_from_url"), torch.device("meta"):
+        net = fidelity.FeatureExtractorInceptionV3("inception-v3-compat", ["2048"])
+    return {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in net.state_dict().items()}
+
+
+def test_inception_weights_are_read_as_tensors_and_checked_before_training(tmp_path):
+    """A pickle with a side effect never runs; a file of other tensors is one line; Inception's layout
+    builds the extractor from our safe read."""
+    marker, hostile = tmp_path / "ran", tmp_path / "hostile.pth"
+    torch.save({"fc.weight": RunsCodeWhenUnpickled(marker)}, hostile)
+    other = tmp_path / "other.pth"
+    torch.save({"weight": torch.zeros(3)}, other)
+    for weights in (hostile, other):
+        with pytest.raises(UserError) as error:
+            run(dit_cfg("task.fid.features=inception", f"task.fid.inception_weights={weights}"),
+                tmp_path / "run")
+        assert f"inception_weights={weights} is not torch-fidelity's Inception-v3 weights" in str(error.value)
+        assert "\n" not in str(error.value) and not (tmp_path / "run").exists()
+    assert not marker.exists()
+    genuine = tmp_path / "inception.pth"
+    layout = inception_layout()
+    layout["fc.bias"] += 1
+    torch.save(layout, genuine)
+    extractor = InceptionFeatures(str(genuine))
+    assert torch.equal(extractor.net.fc.bias, layout["fc.bias"]) and not marker.exists()
