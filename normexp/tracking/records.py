@@ -103,7 +103,8 @@ def fsync_dir(path: Path) -> None:
 def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """``path`` whole or not at all: ``write`` fills a temporary file of this writer's own in the same
     directory, which is flushed, fsync'ed and renamed over ``path`` (then the directory is fsync'ed). An
-    error removes the temporary file; a kill leaves it (``remove_stale_temporaries``)."""
+    error removes the temporary file; a kill leaves it (``remove_stale_temporaries``). A file-system error
+    that names no file (a write into a full disk) names ``path``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
@@ -112,9 +113,11 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     fsync_dir(path.parent)
 
