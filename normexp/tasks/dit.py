@@ -440,7 +440,8 @@ def sample_and_score(cfg: Any, model: nn.Module, codec: LatentCodec | None, reco
         else:  # does each sample look like its class to the digits classifier?
             metrics["class_top1"] = 100.0 * float((logits.argmax(1) == labels).mean())
         if settings.fid.save_samples:
-            np.savez(record.dir / "samples.npz", arr_0=np.concatenate([s["samples"] for s in shards]))
+            samples = np.concatenate([s["samples"] for s in shards])
+            write_atomic(record.dir / "samples.npz", lambda f: np.savez(f, arr_0=samples))
         record.log_image("samples", sampler.grid(settings.grid_classes, settings.grid_per_class), step=step,
                          epoch=epoch)
     return distributed.broadcast_object(metrics)
