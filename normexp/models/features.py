@@ -5,6 +5,7 @@ CPU stand-in on the digits (``fd_digits``, never "FID": its numbers are on anoth
 from __future__ import annotations
 
 import logging
+import pickle
 import socket
 from pathlib import Path
 from unittest import mock
@@ -60,7 +61,10 @@ def inception_weights(path: str | None) -> dict[str, torch.Tensor]:
         if not isinstance(state, dict):
             raise TypeError(f"it holds a {type(state).__name__}, not a state dict")
         inception_network({k: v.to("meta") for k, v in state.items()}, torch.device("meta"))
-    except Exception as e:  # a pickle of objects, a damaged file, other weights
+    except pickle.UnpicklingError:  # torch's advice here is to unpickle anyway: not ours to give
+        raise UserError(f"{what} is not torch-fidelity's Inception-v3 weights: it holds objects other than "
+                        f"tensors, which are never loaded: give the path of its {INCEPTION_FILE}") from None
+    except Exception as e:  # a damaged file, other weights
         said = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise UserError(f"{what} is not torch-fidelity's Inception-v3 weights ({type(e).__name__}: {said}): "
                         f"give the path of its {INCEPTION_FILE}") from None
