@@ -70,8 +70,8 @@ def load_reference(path: str | Path, resolution: int, features: int) -> dict[str
                         f"(ADM: VIRTUAL_imagenet{resolution}_labeled.npz)")
     problem = statistics_problem(stats["mu"], stats["sigma"], features)
     if problem:
-        raise UserError(f"reference statistics {path}: {problem}: not the statistics of {features} features "
-                        "(remake them, or give ADM's reference batch)")
+        raise UserError(f"reference statistics {path} are no mean and covariance of {features} features "
+                        f"({problem}): remake them, or give ADM's reference batch")
     return stats
 
 
@@ -89,5 +89,5 @@ def statistics_problem(mu: np.ndarray, sigma: np.ndarray, features: int) -> str 
         return "sigma is not symmetric"
     lowest = float(np.linalg.eigvalsh(sigma).min())
     if lowest < -1e-6 * scale:  # a covariance's eigenvalues are >= 0, here up to float rounding
-        return f"sigma has a negative eigenvalue ({lowest:.3g}): not a covariance"
+        return f"sigma has a negative eigenvalue, {lowest:.3g}"
     return None
