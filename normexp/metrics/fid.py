@@ -57,7 +57,7 @@ def load_reference(path: str | Path, resolution: int, features: int) -> dict[str
             if "resolution" in npz:
                 found = int(npz["resolution"])
             elif "arr_0" in npz:
-                found = int(npz["arr_0"].shape[1])  # ADM's reference batches: (N, H, W, 3) uint8 images
+                found = int(_stored_shape(npz.zip, "arr_0")[1])  # ADM's batches: (N, H, W, 3) uint8 images
             else:
                 raise UserError(f"{path} does not say its resolution (no 'arr_0' images, no 'resolution')")
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
@@ -73,6 +73,14 @@ def load_reference(path: str | Path, resolution: int, features: int) -> dict[str
         raise UserError(f"reference statistics {path} are no mean and covariance of {features} features "
                         f"({problem}): remake them, or give ADM's reference batch")
     return stats
+
+
+def _stored_shape(archive: zipfile.ZipFile, name: str) -> tuple[int, ...]:
+    """The shape of array ``name`` in an ``.npz`` from its header alone (ADM's reference images are 2 GB)."""
+    with archive.open(f"{name}.npy") as f:
+        major, _ = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        return read_header(f)[0]
 
 
 def statistics_problem(mu: np.ndarray, sigma: np.ndarray, features: int) -> str | None:
