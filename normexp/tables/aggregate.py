@@ -19,7 +19,7 @@ from ..metrics.robustness import (
     relative_corruption_errors,
 )
 from . import stats
-from .plan import PlannedRun, TablePlan
+from .plan import SOURCE_DIVERGED, PlannedRun, TablePlan
 from .spec import Metric, Point, TableSpec, get_path
 
 
@@ -80,7 +80,7 @@ class Cell:
     derived: bool = False  # a value was computed across runs (``Metric.derive``), not read from a record
     seeds: list[int] = field(default_factory=list)  # the seed of each value
     delta_interval: stats.Interval | None = None  # ``delta`` and its interval (paired or Welch)
-    diverged: list[int] = field(default_factory=list)  # the seeds whose run diverged (a result: the worst)
+    diverged: list[int] = field(default_factory=list)  # seeds whose run (or its pre-training) diverged
 
     @property
     def by_seed(self) -> dict[Any, float]:
@@ -168,6 +168,8 @@ class TableResult:
 
 def marker(run: PlannedRun) -> str | None:
     """What a run that is not a completed result shows instead of a value."""
+    if run.source_diverged and run.record is None:
+        return f"pre-training {run.source_diverged}"
     if run.record is None:
         return "missing"
     summary = run.record.summary
@@ -247,7 +249,7 @@ def _cell(spec: TableSpec, metric: Metric, row: Row, base: Row | None) -> Cell:
         mark = marker(run)
         if mark is not None:
             cell.markers.append(mark)
-            if run.status == "diverged":
+            if run.status in ("diverged", SOURCE_DIVERGED):
                 cell.diverged.append(point.seed)
             continue
         summary = run.record.summary  # type: ignore[union-attr]

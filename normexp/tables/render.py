@@ -135,6 +135,9 @@ def caption(result: TableResult) -> list[str]:
     if any(m.delta for m in spec.metrics):
         lines.append(DELTA_CAPTION)
     lines.append(seed_noise_line(result))
+    if any(run.source_diverged for run in result.plan.runs):
+        lines.append("`pre-training diverged@<step>`: the run this one starts from diverged at that step (a "
+                     "result): there is nothing to start from, and nothing was launched.")
     if any(run.damaged for run in result.plan.runs):
         lines.append("`damaged`: a record that does not read back (`normexp table run` names what is wrong).")
     lines += shared_runs_notes(result)
