@@ -78,9 +78,9 @@ def load_reference(path: str | Path, resolution: int, features: int) -> dict[str
 def _stored_shape(archive: zipfile.ZipFile, name: str) -> tuple[int, ...]:
     """The shape of array ``name`` in an ``.npz`` from its header alone (ADM's reference images are 2 GB)."""
     with archive.open(f"{name}.npy") as f:
-        major, _ = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-        return read_header(f)[0]
+        header = np.lib.format
+        major, _ = header.read_magic(f)
+        return (header.read_array_header_1_0 if major == 1 else header.read_array_header_2_0)(f)[0]
 
 
 def statistics_problem(mu: np.ndarray, sigma: np.ndarray, features: int) -> str | None:

@@ -193,8 +193,9 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
         links = _resolve_links(overrides, point, spec, scale, seeds, compose, root, linked)
         overrides = links.overrides
         cfg = paper_cfg if overrides == point.overrides else _compose(compose, overrides, spec.id)
+        earlier = None
         if prepare and not links.blocked and not links.source_diverged:
-            cfg = _prepared(cfg, links.found)
+            cfg, earlier = _prepared(cfg, links.found)
         config = resolved(cfg)
         run_id = config_hash(config)
         if run_id not in runs:
@@ -205,6 +206,8 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
             runs[run_id] = PlannedRun(run_id, overrides, config, run_dir(config, root), blocked=links.blocked,
                                       needs=links.needs, source_diverged=links.source_diverged)
             runs[run_id].read_record()
+            if runs[run_id].record is None and earlier is not None:
+                _adopt_earlier(runs[run_id], earlier, root)
         runs[run_id].points.append(point)
     return TablePlan(spec, scale, seeds, list(runs.values()))
 
@@ -277,9 +280,11 @@ def _compose(compose: ComposeFn, overrides: list[str], table_id: str) -> DictCon
         raise UserError(f"table {table_id}: overrides {' '.join(overrides)} do not compose: {first}") from e
 
 
-def _prepared(cfg: DictConfig, found: dict[str, Path]) -> DictConfig:
+def _prepared(cfg: DictConfig, found: dict[str, Path]) -> tuple[DictConfig, dict[str, Any] | None]:
     """``cfg`` as its task prepares it, with the runs it links (``run:<run_id>``) read from where this plan
-    found them (its output root may not be the environment's); the links stay run ids, as in the job."""
+    found them (its output root may not be the environment's); the links stay run ids, as in the job. Also
+    the config as planners before ``run:<run_id>`` links recorded it (the linked directories in place of the
+    ids; None when nothing is linked), so that their runs are still found."""
     from ..tasks import prepare_config
 
     located = copy.deepcopy(cfg)
@@ -288,10 +293,21 @@ def _prepared(cfg: DictConfig, found: dict[str, Path]) -> DictConfig:
     try:
         prepared = prepare_config(located)
     except UserError:  # the job will fail and record this, as a failed run of the config as given
-        return cfg
+        return cfg, None
+    earlier = resolved(prepared) if found else None
     for key in found:
         OmegaConf.update(prepared, key, OmegaConf.select(cfg, key))
-    return prepared
+    return prepared, earlier
+
+
+def _adopt_earlier(run: PlannedRun, earlier: dict[str, Any], root: Path | None) -> None:
+    """Take the result of ``run`` as an earlier planner recorded it, under the linked run's directory rather
+    than its id, when that record is finished: a fine-tune trained before is not trained again."""
+    directory = run_dir(earlier, root)
+    if (directory / "summary.json").is_file():
+        record = load_record(directory, with_config=True)
+        if record.status in DONE:
+            run.run_id, run.dir, run.record = config_hash(earlier), directory, record
 
 
 def is_hydra_override(override: str) -> bool:

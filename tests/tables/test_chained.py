@@ -16,10 +16,11 @@ from normexp.errors import UserError
 from normexp.run import run
 from normexp.tables import cli
 from normexp.tables.aggregate import aggregate, marker
-from normexp.tables.plan import SOURCE_DIVERGED, TablePlan
+from normexp.tables.plan import SOURCE_DIVERGED, TablePlan, resolved
 from normexp.tasks import prepare_config
 from normexp.tracking.provenance import config_hash
 from normexp.tracking.run_dir import find_run
+from normexp.tracking.run_dir import run_dir as directory_of
 
 PRE = """
 title: pre-training
@@ -83,6 +84,26 @@ def test_a_chained_run_names_its_source_by_run_id_on_any_root(chained, tmp_path,
     monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path / "elsewhere"))
     with pytest.raises(UserError, match=f"run:{source.run_id}: no run with that id under the output root"):
         prepare_config(compose_cfg(*tuned.overrides, *extra))
+
+
+def test_a_fine_tune_recorded_under_its_sources_directory_is_not_trained_again(chained, tmp_path, completed):
+    _, extra = chained
+    root = tmp_path / "out"
+    pre, _ = plans(extra, root)
+    (source,) = pre.runs
+    plant_record(completed, source.dir, source.config)
+    _, fine = plans(extra, root)
+    (tuned,) = fine.runs
+    # as planners before run:<run_id> links recorded it: the source's directory in its identity
+    located = [f"task.pretrained={source.dir}" if o.startswith("task.pretrained=") else o
+               for o in tuned.overrides]
+    earlier = resolved(prepare_config(compose_cfg(*located)))
+    plant_record(completed, directory_of(earlier, root), earlier)
+
+    _, fine = plans(extra, root)
+    (adopted,) = fine.runs
+    assert adopted.dir == directory_of(earlier, root) != tuned.dir and adopted.run_id == config_hash(earlier)
+    assert adopted.status == "completed" and fine.to_run() == []
 
 
 def test_a_diverged_pre_training_is_the_fine_tunes_result_and_nothing_is_launched(
