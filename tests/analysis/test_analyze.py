@@ -128,8 +128,8 @@ def one_line_error(result) -> str:
 
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, monkeypatch):
     good = fake_run(tmp_path / "good")
-    (good / "analysis").mkdir()
-    (good / "analysis" / "keep.txt").write_text("previous analysis")
+    cli.analyze(good, ["tokens"], images=2, seed=0)
+    previous = {p.name: p.read_bytes() for p in (good / "analysis").iterdir()}
     cases = {
         "no checkpoint": (fake_run(tmp_path / "nockpt", checkpoint=False), [], "has no checkpoint.pth"),
         "diverged": (fake_run(tmp_path / "div", status="diverged"), [], "diverged (diverged at step 3"),
@@ -151,9 +151,38 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, monke
     monkeypatch.setattr(cli, "plot_tokens", broken)
     with pytest.raises(RuntimeError):
         cli.analyze(good, ["io", "tokens"], images=2, seed=0)
-    assert [p.name for p in (good / "analysis").iterdir()] == ["keep.txt"]
+    assert {p.name: p.read_bytes() for p in (good / "analysis").iterdir()} == previous
     assert not [p for p in good.iterdir() if p.name.startswith(".analysis")]
     monkeypatch.undo()
-    cli.analyze(good, ["tokens"], images=2, seed=0)  # a good analysis replaces the previous one whole
-    assert {p.name for p in (good / "analysis").iterdir()} == {"tokens.png", "tokens.json", "summary.json"}
+    cli.analyze(good, ["io"], images=2, seed=0)  # a good analysis replaces the previous one whole
+    assert {p.name for p in (good / "analysis").iterdir()} == {"io.png", "io_channels.png", "io.json",
+                                                              "io_points.csv", "summary.json"}
     shutil.rmtree(good / "analysis")
+
+
+def test_out_never_removes_a_users_directory(tmp_path, capsys, monkeypatch):
+    """``--out <existing dir>`` writes a new ``<run name>-analysis`` folder in it (``--out .`` too); a rerun
+    replaces only that analysis; a run's ``analysis/`` holding a file of the user's is refused in one line."""
+    run_dir = fake_run(tmp_path / "run")
+    thesis = tmp_path / "thesis"
+    (thesis / "sub").mkdir(parents=True)
+    (thesis / "thesis.tex").write_text("\\documentclass{article}")
+    (thesis / "sub" / "data.csv").write_text("a,b\n1,2\n")
+    for _ in range(2):  # the second time replaces the first analysis, and only it
+        cli.main([str(run_dir), "--images", "2", "--figures", "tokens", "--out", str(thesis)])
+        assert sorted(p.name for p in thesis.iterdir()) == ["run-analysis", "sub", "thesis.tex"]
+        assert {p.name for p in (thesis / "run-analysis").iterdir()} == {"tokens.png", "tokens.json",
+                                                                         "summary.json"}
+    assert (thesis / "sub" / "data.csv").read_text() == "a,b\n1,2\n"
+    monkeypatch.chdir(thesis / "sub")
+    cli.main([str(run_dir), "--images", "2", "--figures", "tokens", "--out", "."])
+    assert sorted(p.name for p in (thesis / "sub").iterdir()) == ["data.csv", "run-analysis"]
+    capsys.readouterr()
+
+    (run_dir / "analysis").mkdir()
+    (run_dir / "analysis" / "notes.md").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([str(run_dir), "--images", "2", "--figures", "tokens"])
+    assert exit_info.value.code == 2
+    assert "holds files analyze did not write" in one_line_error(capsys.readouterr())
+    assert [p.name for p in (run_dir / "analysis").iterdir()] == ["notes.md"]
