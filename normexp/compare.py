@@ -26,7 +26,6 @@ import argparse
 import csv
 import fnmatch
 import io
-import statistics
 import sys
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -105,7 +104,7 @@ class Summary:
 
     @property
     def std(self) -> float | None:
-        return statistics.stdev(self.values.values()) if len(self.values) > 1 else None
+        return stats.std(list(self.values.values())) if len(self.values) > 1 else None
 
 
 def summarise(entries: list[Entry], metrics: list[Metric],

@@ -29,8 +29,8 @@ def root(tmp_path):
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
         final = {"val/top1": top1} if top1 is not None else {}
         (run_dir / "summary.json").write_text(json.dumps(
-            {"run_id": f"r{i}", "status": status, "params": 1000 + i, "metrics": {"final": final},
-             "started_at": f"2026-01-01T00:00:0{len(RUNS) - i}+00:00"}))
+            {"run_id": f"r{i}", "status": status, "seed": seed, "params": 1000 + i,
+             "metrics": {"final": final}, "started_at": f"2026-01-01T00:00:0{len(RUNS) - i}+00:00"}))
     return tmp_path
 
 
@@ -89,3 +89,24 @@ def test_baseline_deltas_are_paired_by_seed(root, capsys):
     with pytest.raises(SystemExit):
         main(["--root", str(root), "--baseline", "task.name=x"])
     assert "not one of the groups' keys" in capsys.readouterr().err
+
+
+def test_non_finite_and_overflowing_values_are_read_not_a_crash(root, capsys, caplog):
+    """Older records holding NaN / Infinity read as diverged, each named with its seed; values of 1e308,
+    whose sum overflows, still have their mean (and an infinite interval where the spread overflows)."""
+    for i, top1 in ((0, "NaN"), (1, "Infinity")):  # vit_small / ln, seeds 0 and 1
+        path = root / "classification" / f"run{i}" / "summary.json"
+        path.write_text(path.read_text().replace('"val/top1": 8', f'"val/top1": {top1}, "x": 8'))
+    for i, top1 in ((2, 1.7e308), (3, -1.7e308)):  # vit_small / dyt, seeds 0 and 1
+        path = root / "classification" / f"run{i}" / "summary.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "status": "completed",
+                                    "metrics": {"final": {"val/top1": top1}}}))
+    main(["--root", str(root), "backbone.name=vit_small", "--metrics", "val/top1"])
+    out = capsys.readouterr().out
+    assert "| vit_small | ln | 2 | — | 2 diverged |" in out
+    assert "| vit_small | dyt | 2 | 0 ± inf (2) |  |" in out
+    for i, (seed, value) in enumerate(((0, "nan"), (1, "inf"))):
+        assert f"run{i} (seed {seed}) holds non-finite metrics (final.val/top1 = {value}): read as diverged" \
+            in caplog.text
+    main(["--root", str(root), "--group-by", "backbone.name", "--baseline", "backbone.name=swin_tiny"])
+    assert "| vit_small | 4 | 0 ± inf (2) | -83 | — | — | 2 diverged |" in capsys.readouterr().out
