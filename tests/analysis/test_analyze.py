@@ -13,10 +13,12 @@ from conftest import quick_cfg, run_cli
 from omegaconf import OmegaConf
 
 from normexp.analysis import cli
-from normexp.analysis.core import ANALYSES
+from normexp.analysis.core import ANALYSES, load_run
 from normexp.engine.alpha_probe import ALPHA_KEY, STD_KEY
 from normexp.models import build_backbone
 from normexp.run import run
+from normexp.tasks.dino import build_network
+from normexp.tasks.mae import build_mae
 from normexp.tracking.provenance import config_hash
 from normexp.tracking.records import read_metrics, read_summary
 
@@ -73,6 +75,28 @@ def test_analyze_writes_every_figure_of_every_family(tmp_path, backbone, norm):
     if backbone == "swin_micro":
         assert any("windowed attention" in note for note in summary["notes"]["attention"])
     assert not [p for p in run_dir.iterdir() if p.name.startswith(".analysis")]
+
+
+@pytest.mark.parametrize("task", ["mae", "dino"])
+def test_analyze_a_self_supervised_run_rebuilds_the_backbone_its_weights_fill(tmp_path, task):
+    """An MAE run's encoder, a DINO run's teacher backbone: headless, unlike the configured classifier."""
+    small_head = ["task.out_dim=64", "task.hidden_dim=32", "task.bottleneck_dim=16"] if task == "dino" else []
+    overrides = [f"task={task}", "norm=dyt", *small_head]
+    run_dir, cfg = fake_run(tmp_path / "run", *overrides, checkpoint=False), quick_cfg(*overrides)
+    torch.manual_seed(0)
+    if task == "mae":
+        mae = build_mae(cfg)
+        state, encoder = {"model": mae.state_dict()}, mae.encoder.state_dict()
+    else:
+        teacher = build_network(cfg, drop_path=False)
+        state = {"model": teacher.state_dict(), "task": {"teacher": teacher.state_dict()}}
+        encoder = teacher.backbone.state_dict()
+    torch.save({**state, "epoch": 1, "ema": None}, run_dir / "checkpoint.pth")
+    loaded = load_run(run_dir)
+    assert loaded.model.state_dict().keys() == encoder.keys() and "head.weight" not in encoder
+    assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in encoder.items())
+    out, summary = cli.analyze(run_dir, ["tokens"], images=2, seed=0)
+    assert summary["files"] == ["tokens.png", "tokens.json", "summary.json"] and (out / "tokens.json").is_file()
 
 
 def test_analyze_reads_the_added_slots_of_a_placement_per_head_ones_included(tmp_path):
