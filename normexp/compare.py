@@ -11,13 +11,14 @@ Reads every ``summary.json`` (and its ``config.yaml``) under ``--root`` (default
 path) and every ``--tag`` (the W&B tags: backbone, norm, task, data and the config's ``tags``), groups them by
 the ``--group-by`` config paths and prints each metric as mean ± the half-width of its 95 % Student t interval
 (n) over the completed runs of a group (``mean (1 run)``: no interval), with the runs that diverged or failed
-counted beside. ``--baseline KEY=VALUE`` (KEY one of the group-by paths) adds each metric's delta against the
-group with KEY set to VALUE, as the tables do: paired by seed where both groups completed the same seeds (the
-mean and t interval of the per-seed differences), Welch's interval otherwise (marked), ``≈`` where the
-interval contains 0 (within noise). Metrics: summary paths (``params``,
-``metrics.best.val/top1``), or a bare name for the final evaluation (``val/top1`` means
-``metrics.final.val/top1``). With ``--table`` the runs are the table's (its plan at ``--scale``), grouped by
-its row labels, and the default metrics are its columns: the numbers the rendered table shows.
+counted beside. ``--baseline KEY=VALUE`` (KEY one of the group-by paths; VALUE, or a pattern, naming one
+of the groups' values) adds each metric's delta against the group with KEY set to VALUE, as the tables do:
+paired by seed where both groups completed the same seeds (the mean and t interval of the per-seed
+differences), Welch's interval otherwise (marked), ``≈`` where the interval contains 0 (within noise).
+Metrics: summary paths (``params``, ``metrics.best.val/top1``), or a bare name for the final evaluation
+(``val/top1`` means ``metrics.final.val/top1``). With ``--table`` the runs are the table's (its plan at
+``--scale``), grouped by its row labels, and the default metrics are its columns: the numbers the rendered
+table shows.
 """
 
 from __future__ import annotations
@@ -229,6 +230,22 @@ def parse_filters(items: list[str]) -> list[tuple[str, str]]:
     return filters
 
 
+def baseline_group(baseline: tuple[str, str], keys: list[str], entries: list[Entry]) -> tuple[str, str]:
+    """``--baseline KEY=VALUE`` as (KEY, the one value of KEY among the groups that VALUE names, fnmatch as
+    the filters); naming none or several is one line listing the values there are."""
+    key, pattern = baseline
+    if key not in keys:
+        raise UserError(f"--baseline {key}={pattern}: {key} is not one of the groups' keys "
+                        f"({', '.join(keys)}); add it to --group-by")
+    values = sorted({str(e.labels[key]) for e in entries})
+    named = [v for v in values if fnmatch.fnmatchcase(v, pattern)]
+    if len(named) != 1:
+        raise UserError(f"--baseline {key}={pattern} names {'several' if named else 'none'} of the groups' "
+                        f"{key} values ({', '.join(named or values)}): name one, e.g. "
+                        f"--baseline {key}={(named or values)[0]}")
+    return key, named[0]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="normexp compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -268,9 +285,8 @@ def main(argv: list[str] | None = None) -> None:
         entries = [e for e in entries if matches(e.config, filters, args.tag)]
         if not entries:
             raise UserError("no run records match: check --root, the filters and the tags")
-        if baseline is not None and baseline[0] not in keys:
-            raise UserError(f"--baseline {args.baseline}: {baseline[0]} is not one of the groups' keys "
-                            f"({', '.join(keys)}); add it to --group-by")
+        if baseline is not None:
+            baseline = baseline_group(baseline, keys, entries)
         if args.sort == "started":
             entries.sort(key=lambda e: e.record.summary.get("started_at") or "")
         lines = summarise(entries, metrics, baseline)

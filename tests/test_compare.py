@@ -91,6 +91,26 @@ def test_baseline_deltas_are_paired_by_seed(root, capsys):
     assert "not one of the groups' keys" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("baseline", "says"), [
+    ("norm.name=LN", "names none of the groups' norm.name values (dyt, ln): name one, e.g. --baseline "
+                     "norm.name=dyt"),
+    ("backbone.name=*", "names several of the groups' backbone.name values (swin_tiny, vit_small): name one, "
+                        "e.g. --baseline backbone.name=swin_tiny")])
+def test_a_baseline_naming_no_group_or_several_is_one_line(root, capsys, baseline, says):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--root", str(root), "--baseline", baseline])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"error: --baseline {baseline} {says}\n" and captured.out == ""
+
+
+def test_a_baseline_pattern_naming_one_group_is_that_group(root, capsys):
+    main(["--root", str(root), "--baseline", "norm.name=l*", "--metrics", "val/top1", "--format", "csv"])
+    out = io.StringIO(capsys.readouterr().out)
+    rows = {(r["backbone.name"], r["norm.name"]): r for r in csv.DictReader(out)}
+    assert float(rows["vit_small", "dyt"]["val/top1_delta"]) == 0.0  # 81 against LN's 80 and 82 (Welch)
+
+
 def test_non_finite_and_overflowing_values_are_read_not_a_crash(root, capsys, caplog):
     """Older records holding NaN / Infinity read as diverged, each named with its seed; values of 1e308,
     whose sum overflows, still have their mean (and an infinite interval where the spread overflows)."""

@@ -96,7 +96,8 @@ def test_analyze_a_self_supervised_run_rebuilds_the_backbone_its_weights_fill(tm
     assert loaded.model.state_dict().keys() == encoder.keys() and "head.weight" not in encoder
     assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in encoder.items())
     out, summary = cli.analyze(run_dir, ["tokens"], images=2, seed=0)
-    assert summary["files"] == ["tokens.png", "tokens.json", "summary.json"] and (out / "tokens.json").is_file()
+    assert summary["files"] == ["tokens.png", "tokens.json", "summary.json"]
+    assert (out / "tokens.json").is_file()
 
 
 def test_analyze_reads_the_added_slots_of_a_placement_per_head_ones_included(tmp_path):
