@@ -4,6 +4,7 @@
     normexp compare norm.name=dyt "backbone.name=vit_*" --metrics val/top1,val/top5,params
     normexp compare --group-by backbone.name,norm.name,norm.squash --tag classification --format csv
     normexp compare --table dyt_squash --scale smoke        # the runs of a table, grouped by its rows
+    normexp compare --table mytable hydra.searchpath=[file://$PWD/configs]   # your own table (as table run)
     normexp compare "backbone.name=vit_*" --baseline norm.name=ln   # each group's delta against its LN group
 
 Reads every ``summary.json`` (and its ``config.yaml``) under ``--root`` (default ``$NORMEXP_OUTPUT_DIR`` or
@@ -74,10 +75,13 @@ def entries_from_records(root: Path, group_by: list[str]) -> list[Entry]:
 
 
 def entries_from_table(table: str, scale: str, seeds: tuple[int, ...] | None, group_by: list[str] | None,
-                       root: Path | None) -> tuple[list[Entry], list[Metric], list[str]]:
+                       root: Path | None, extra: list[str] = ()
+                       ) -> tuple[list[Entry], list[Metric], list[str]]:
+    """The runs of ``table`` (``extra``: the Hydra settings and plugins it was run with, as ``table run``
+    takes them) labelled by its rows, its metrics, and the group keys."""
     from .tables.cli import make_plan
 
-    plan = make_plan(table, scale, seeds, [], root)
+    plan = make_plan(table, scale, seeds, list(extra), root)
     keys = group_by or list(plan.spec.label_keys)
     entries = []
     for run in plan.damaged():  # skipped, named
@@ -220,6 +224,14 @@ def legend(baseline: tuple[str, str] | None) -> str:
             "noise).")
 
 
+def is_table_setting(item: str) -> bool:
+    """``hydra.searchpath=[...]`` (where a user's own table is), ``plugins=[...]``: how ``table run`` ran a
+    table, not a filter."""
+    from .tables.plan import is_hydra_override
+
+    return is_hydra_override(item) or item.lstrip("+~").partition("=")[0] == "plugins"
+
+
 def parse_filters(items: list[str]) -> list[tuple[str, str]]:
     filters = []
     for item in items:
@@ -249,7 +261,8 @@ def baseline_group(baseline: tuple[str, str], keys: list[str], entries: list[Ent
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="normexp compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("filters", nargs="*", help="KEY=PATTERN on the run's config (fnmatch)")
+    parser.add_argument("filters", nargs="*", help="KEY=PATTERN on the run's config (fnmatch); with --table "
+                        "also hydra.searchpath=[file://<dir>] and plugins=[...] as the table ran with")
     parser.add_argument("--root", type=Path, default=None, help="output root (default: $NORMEXP_OUTPUT_DIR "
                         "or outputs)")
     parser.add_argument("--table", default=None, help="only the runs of this table, grouped by its rows")
@@ -269,14 +282,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", choices=("md", "csv"), default="md")
     args = parser.parse_args(argv)
     try:
-        filters = parse_filters(args.filters)
+        table_settings = [item for item in args.filters if is_table_setting(item)]
+        if table_settings and not args.table:
+            raise UserError(f"{table_settings[0]}: where a table is and what it ran with, only with --table")
+        filters = parse_filters([item for item in args.filters if not is_table_setting(item)])
         baseline = parse_filters([args.baseline])[0] if args.baseline else None
         group_by = args.group_by.split(",") if args.group_by else None
         if args.table:
             from .tables.cli import parse_seeds
 
             seeds = parse_seeds(args.seeds)
-            entries, metrics, keys = entries_from_table(args.table, args.scale, seeds, group_by, args.root)
+            entries, metrics, keys = entries_from_table(args.table, args.scale, seeds, group_by, args.root,
+                                                        table_settings)
         else:
             keys = group_by or ["backbone.name", "norm.name"]
             entries, metrics = entries_from_records(args.root or output_root(), keys), []

@@ -130,3 +130,38 @@ def test_non_finite_and_overflowing_values_are_read_not_a_crash(root, capsys, ca
             in caplog.text
     main(["--root", str(root), "--group-by", "backbone.name", "--baseline", "backbone.name=swin_tiny"])
     assert "| vit_small | 4 | 0 ± inf (2) | -83 | — | — | 2 diverged |" in capsys.readouterr().out
+
+
+MY_TABLES = {  # a user's own pre-training table, and a table fine-tuning from it (task.pretrained=table:)
+    "mine_pre": "rows: [norm.name]\nmetrics: [{key: loss, value: metrics.final.val/loss}]\n"
+                "blocks: ['experiment=mae_pretrain norm=dyt']\n",
+    "mine": "rows: [norm.name]\nmetrics: [{key: top1, value: metrics.reported.top1, fmt: .1f}]\n"
+            "blocks: ['experiment=mae_finetune norm=dyt task.pretrained=table:mine_pre']\n",
+}
+
+
+def test_compare_reads_a_users_own_chained_table_as_table_run_finds_it(tmp_path, capsys):
+    """``compare --table mine hydra.searchpath=[...]`` (as ``table run`` takes it) and ``--table <spec
+    file>`` (its linked table found beside it) read the records of the user's chained table."""
+    from normexp.tables.cli import make_plan
+
+    (tmp_path / "configs" / "table").mkdir(parents=True)
+    for table, text in MY_TABLES.items():
+        (tmp_path / "configs" / "table" / f"{table}.yaml").write_text(text)
+    searchpath, root = f"hydra.searchpath=[file://{tmp_path}/configs]", tmp_path / "outputs"
+    results = {"mine_pre": {"final": {"val/loss": 0.5}}, "mine": {"reported": {"top1": 70.0}}}
+    for table, metrics in results.items():
+        for run in make_plan(table, "smoke", None, [searchpath], root).runs:
+            assert not run.blocked, run.blocked  # the fine-tune: once its pre-training has a record
+            run.dir.mkdir(parents=True)
+            (run.dir / "config.yaml").write_text(yaml.safe_dump(run.config))
+            (run.dir / "summary.json").write_text(json.dumps({"run_id": run.run_id, "status": "completed",
+                                                              "seed": 0, "metrics": metrics}))
+    spec_file = str(tmp_path / "configs" / "table" / "mine.yaml")
+    for where in (["--table", "mine", searchpath], ["--table", spec_file]):
+        main([*where, "--root", str(root), "--format", "csv"])
+        rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+        assert [(r["norm.name"], r["top1_mean"]) for r in rows] == [("dyt", "70.0")], where
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--root", str(root), searchpath])
+    assert exit_info.value.code == 2 and "only with --table" in capsys.readouterr().err
