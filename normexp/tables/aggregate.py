@@ -6,7 +6,6 @@ Rows that are the very same runs point to the first of them (``Row.same_as``).""
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,11 +105,11 @@ class Cell:
 
     @property
     def mean(self) -> float | None:
-        return statistics.fmean(self.values) if self.values else None
+        return stats.mean(self.values) if self.values else None
 
     @property
     def std(self) -> float | None:
-        return statistics.stdev(self.values) if len(self.values) > 1 else None
+        return stats.std(self.values) if len(self.values) > 1 else None
 
 
 @dataclass
@@ -175,8 +174,9 @@ def marker(run: PlannedRun) -> str | None:
     summary = run.record.summary
     if run.status == "completed":
         return None
-    if run.status == "diverged":
-        return f"diverged@{get_path(summary, 'diverged.step')}"
+    if run.status == "diverged":  # at its step; a record that does not know it (old non-finite metrics): why
+        step = get_path(summary, "diverged.step")
+        return f"diverged@{step}" if step is not None else f"diverged: {summary.get('error', '')}".strip()
     if run.status == "failed":
         return f"failed: {summary.get('error', '')}".strip()
     return run.status

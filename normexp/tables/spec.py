@@ -190,6 +190,9 @@ def load_table(name: str, searchpath: Iterable[str] = ()) -> TableSpec:
     """The table ``configs/table/<name>.yaml`` (or on Hydra's search path), or the spec file ``name``."""
     searchpath = tuple(searchpath)
     path = _spec_path(name, "table", searchpath)
+    if path.parent.name == "table" and path.parent.parent.resolve() not in \
+            {d.resolve() for d in config_dirs(searchpath)}:  # a spec file: the tables it links are beside it
+        searchpath = (*searchpath, f"file://{path.parent.parent.resolve()}")
     table_id = path.stem
     data = _load_yaml(path, "table", list_tables(searchpath))
     _unknown_keys(data, TABLE_KEYS, str(path))

@@ -352,4 +352,5 @@ def dino_settings(values: dict[str, Any]) -> dict[str, Any]:
 
 
 register_task(Task("dino", run_dino, data=("digits", "imagenet"), metrics=metric_names, check=check_dino,
-                   backbone_weights=teacher_backbone, settings=dino_settings))
+                   backbone_weights=teacher_backbone, settings=dino_settings,
+                   backbone_model=lambda cfg: build_network(cfg, drop_path=False).backbone))

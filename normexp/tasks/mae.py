@@ -193,4 +193,5 @@ def mae_settings(values: dict[str, Any]) -> dict[str, Any]:
 
 
 register_task(Task("mae", run_mae, data=("digits", "imagenet"), metrics=metric_names, check=check_mae,
-                   backbone_weights=encoder_weights, settings=mae_settings))
+                   backbone_weights=encoder_weights, backbone_model=lambda cfg: build_mae(cfg).encoder,
+                   settings=mae_settings))
