@@ -4,6 +4,7 @@
     normexp compare norm.name=dyt "backbone.name=vit_*" --metrics val/top1,val/top5,params
     normexp compare --group-by backbone.name,norm.name,norm.squash --tag classification --format csv
     normexp compare --table dyt_squash --scale smoke        # the runs of a table, grouped by its rows
+    normexp compare --table mytable hydra.searchpath=[file://$PWD/configs]   # your own table (as table run)
     normexp compare "backbone.name=vit_*" --baseline norm.name=ln   # each group's delta against its LN group
 
 Reads every ``summary.json`` (and its ``config.yaml``) under ``--root`` (default ``$NORMEXP_OUTPUT_DIR`` or
@@ -11,13 +12,14 @@ Reads every ``summary.json`` (and its ``config.yaml``) under ``--root`` (default
 path) and every ``--tag`` (the W&B tags: backbone, norm, task, data and the config's ``tags``), groups them by
 the ``--group-by`` config paths and prints each metric as mean ± the half-width of its 95 % Student t interval
 (n) over the completed runs of a group (``mean (1 run)``: no interval), with the runs that diverged or failed
-counted beside. ``--baseline KEY=VALUE`` (KEY one of the group-by paths) adds each metric's delta against the
-group with KEY set to VALUE, as the tables do: paired by seed where both groups completed the same seeds (the
-mean and t interval of the per-seed differences), Welch's interval otherwise (marked), ``≈`` where the
-interval contains 0 (within noise). Metrics: summary paths (``params``,
-``metrics.best.val/top1``), or a bare name for the final evaluation (``val/top1`` means
-``metrics.final.val/top1``). With ``--table`` the runs are the table's (its plan at ``--scale``), grouped by
-its row labels, and the default metrics are its columns: the numbers the rendered table shows.
+counted beside. ``--baseline KEY=VALUE`` (KEY one of the group-by paths; VALUE, or a pattern, naming one
+of the groups' values) adds each metric's delta against the group with KEY set to VALUE, as the tables do:
+paired by seed where both groups completed the same seeds (the mean and t interval of the per-seed
+differences), Welch's interval otherwise (marked), ``≈`` where the interval contains 0 (within noise).
+Metrics: summary paths (``params``, ``metrics.best.val/top1``), or a bare name for the final evaluation
+(``val/top1`` means ``metrics.final.val/top1``). With ``--table`` the runs are the table's (its plan at
+``--scale``), grouped by its row labels, and the default metrics are its columns: the numbers the rendered
+table shows.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import argparse
 import csv
 import fnmatch
 import io
-import statistics
 import sys
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -74,10 +75,13 @@ def entries_from_records(root: Path, group_by: list[str]) -> list[Entry]:
 
 
 def entries_from_table(table: str, scale: str, seeds: tuple[int, ...] | None, group_by: list[str] | None,
-                       root: Path | None) -> tuple[list[Entry], list[Metric], list[str]]:
+                       root: Path | None, extra: list[str] = ()
+                       ) -> tuple[list[Entry], list[Metric], list[str]]:
+    """The runs of ``table`` (``extra``: the Hydra settings and plugins it was run with, as ``table run``
+    takes them) labelled by its rows, its metrics, and the group keys."""
     from .tables.cli import make_plan
 
-    plan = make_plan(table, scale, seeds, [], root)
+    plan = make_plan(table, scale, seeds, list(extra), root)
     keys = group_by or list(plan.spec.label_keys)
     entries = []
     for run in plan.damaged():  # skipped, named
@@ -105,7 +109,7 @@ class Summary:
 
     @property
     def std(self) -> float | None:
-        return statistics.stdev(self.values.values()) if len(self.values) > 1 else None
+        return stats.std(list(self.values.values())) if len(self.values) > 1 else None
 
 
 def summarise(entries: list[Entry], metrics: list[Metric],
@@ -220,6 +224,14 @@ def legend(baseline: tuple[str, str] | None) -> str:
             "noise).")
 
 
+def is_table_setting(item: str) -> bool:
+    """``hydra.searchpath=[...]`` (where a user's own table is), ``plugins=[...]``: how ``table run`` ran a
+    table, not a filter."""
+    from .tables.plan import is_hydra_override
+
+    return is_hydra_override(item) or item.lstrip("+~").partition("=")[0] == "plugins"
+
+
 def parse_filters(items: list[str]) -> list[tuple[str, str]]:
     filters = []
     for item in items:
@@ -230,10 +242,27 @@ def parse_filters(items: list[str]) -> list[tuple[str, str]]:
     return filters
 
 
+def baseline_group(baseline: tuple[str, str], keys: list[str], entries: list[Entry]) -> tuple[str, str]:
+    """``--baseline KEY=VALUE`` as (KEY, the one value of KEY among the groups that VALUE names, fnmatch as
+    the filters); naming none or several is one line listing the values there are."""
+    key, pattern = baseline
+    if key not in keys:
+        raise UserError(f"--baseline {key}={pattern}: {key} is not one of the groups' keys "
+                        f"({', '.join(keys)}); add it to --group-by")
+    values = sorted({str(e.labels[key]) for e in entries})
+    named = [v for v in values if fnmatch.fnmatchcase(v, pattern)]
+    if len(named) != 1:
+        raise UserError(f"--baseline {key}={pattern} names {'several' if named else 'none'} of the groups' "
+                        f"{key} values ({', '.join(named or values)}): name one, e.g. "
+                        f"--baseline {key}={(named or values)[0]}")
+    return key, named[0]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="normexp compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("filters", nargs="*", help="KEY=PATTERN on the run's config (fnmatch)")
+    parser.add_argument("filters", nargs="*", help="KEY=PATTERN on the run's config (fnmatch); with --table "
+                        "also hydra.searchpath=[file://<dir>] and plugins=[...] as the table ran with")
     parser.add_argument("--root", type=Path, default=None, help="output root (default: $NORMEXP_OUTPUT_DIR "
                         "or outputs)")
     parser.add_argument("--table", default=None, help="only the runs of this table, grouped by its rows")
@@ -253,14 +282,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", choices=("md", "csv"), default="md")
     args = parser.parse_args(argv)
     try:
-        filters = parse_filters(args.filters)
+        table_settings = [item for item in args.filters if is_table_setting(item)]
+        if table_settings and not args.table:
+            raise UserError(f"{table_settings[0]}: where a table is and what it ran with, only with --table")
+        filters = parse_filters([item for item in args.filters if not is_table_setting(item)])
         baseline = parse_filters([args.baseline])[0] if args.baseline else None
         group_by = args.group_by.split(",") if args.group_by else None
         if args.table:
             from .tables.cli import parse_seeds
 
             seeds = parse_seeds(args.seeds)
-            entries, metrics, keys = entries_from_table(args.table, args.scale, seeds, group_by, args.root)
+            entries, metrics, keys = entries_from_table(args.table, args.scale, seeds, group_by, args.root,
+                                                        table_settings)
         else:
             keys = group_by or ["backbone.name", "norm.name"]
             entries, metrics = entries_from_records(args.root or output_root(), keys), []
@@ -269,9 +302,8 @@ def main(argv: list[str] | None = None) -> None:
         entries = [e for e in entries if matches(e.config, filters, args.tag)]
         if not entries:
             raise UserError("no run records match: check --root, the filters and the tags")
-        if baseline is not None and baseline[0] not in keys:
-            raise UserError(f"--baseline {args.baseline}: {baseline[0]} is not one of the groups' keys "
-                            f"({', '.join(keys)}); add it to --group-by")
+        if baseline is not None:
+            baseline = baseline_group(baseline, keys, entries)
         if args.sort == "started":
             entries.sort(key=lambda e: e.record.summary.get("started_at") or "")
         lines = summarise(entries, metrics, baseline)

@@ -33,6 +33,8 @@ def spaced_steps(num_steps: int, spacing: str | int) -> list[int]:
                 return list(range(0, num_steps, stride))
         raise ValueError(f"cannot take exactly {wanted} evenly strided steps of {num_steps}")
     counts = [int(c) for c in spacing.split(",")]
+    if min(counts) < 0 or not sum(counts):
+        raise ValueError(f"'{spacing}' keeps no steps: give a positive count (or section counts, or ddimN)")
     size, extra = divmod(num_steps, len(counts))
     kept, start = [], 0
     for i, count in enumerate(counts):

@@ -175,3 +175,10 @@ def coco_jpeg_tree(root: Path, where: Path) -> Path:
         (where / "annotations").mkdir(exist_ok=True)
         (where / "annotations" / f"instances_{split}.json").write_text(json.dumps(data))
     return where
+
+
+def flip_a_byte_inside(path: Path) -> None:
+    """Invert the byte in the middle of ``path`` (bit rot, a bad copy): what an integrity check must catch."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))

@@ -29,8 +29,8 @@ def root(tmp_path):
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
         final = {"val/top1": top1} if top1 is not None else {}
         (run_dir / "summary.json").write_text(json.dumps(
-            {"run_id": f"r{i}", "status": status, "params": 1000 + i, "metrics": {"final": final},
-             "started_at": f"2026-01-01T00:00:0{len(RUNS) - i}+00:00"}))
+            {"run_id": f"r{i}", "status": status, "seed": seed, "params": 1000 + i,
+             "metrics": {"final": final}, "started_at": f"2026-01-01T00:00:0{len(RUNS) - i}+00:00"}))
     return tmp_path
 
 
@@ -89,3 +89,79 @@ def test_baseline_deltas_are_paired_by_seed(root, capsys):
     with pytest.raises(SystemExit):
         main(["--root", str(root), "--baseline", "task.name=x"])
     assert "not one of the groups' keys" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("baseline", "says"), [
+    ("norm.name=LN", "names none of the groups' norm.name values (dyt, ln): name one, e.g. --baseline "
+                     "norm.name=dyt"),
+    ("backbone.name=*", "names several of the groups' backbone.name values (swin_tiny, vit_small): name one, "
+                        "e.g. --baseline backbone.name=swin_tiny")])
+def test_a_baseline_naming_no_group_or_several_is_one_line(root, capsys, baseline, says):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--root", str(root), "--baseline", baseline])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"error: --baseline {baseline} {says}\n" and captured.out == ""
+
+
+def test_a_baseline_pattern_naming_one_group_is_that_group(root, capsys):
+    main(["--root", str(root), "--baseline", "norm.name=l*", "--metrics", "val/top1", "--format", "csv"])
+    out = io.StringIO(capsys.readouterr().out)
+    rows = {(r["backbone.name"], r["norm.name"]): r for r in csv.DictReader(out)}
+    assert float(rows["vit_small", "dyt"]["val/top1_delta"]) == 0.0  # 81 against LN's 80 and 82 (Welch)
+
+
+def test_non_finite_and_overflowing_values_are_read_not_a_crash(root, capsys, caplog):
+    """Older records holding NaN / Infinity read as diverged, each named with its seed; values of 1e308,
+    whose sum overflows, still have their mean (and an infinite interval where the spread overflows)."""
+    for i, top1 in ((0, "NaN"), (1, "Infinity")):  # vit_small / ln, seeds 0 and 1
+        path = root / "classification" / f"run{i}" / "summary.json"
+        path.write_text(path.read_text().replace('"val/top1": 8', f'"val/top1": {top1}, "x": 8'))
+    for i, top1 in ((2, 1.7e308), (3, -1.7e308)):  # vit_small / dyt, seeds 0 and 1
+        path = root / "classification" / f"run{i}" / "summary.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "status": "completed",
+                                    "metrics": {"final": {"val/top1": top1}}}))
+    main(["--root", str(root), "backbone.name=vit_small", "--metrics", "val/top1"])
+    out = capsys.readouterr().out
+    assert "| vit_small | ln | 2 | — | 2 diverged |" in out
+    assert "| vit_small | dyt | 2 | 0 ± inf (2) |  |" in out
+    for i, (seed, value) in enumerate(((0, "nan"), (1, "inf"))):
+        assert f"run{i} (seed {seed}) holds non-finite metrics (final.val/top1 = {value}): read as diverged" \
+            in caplog.text
+    main(["--root", str(root), "--group-by", "backbone.name", "--baseline", "backbone.name=swin_tiny"])
+    assert "| vit_small | 4 | 0 ± inf (2) | -83 | — | — | 2 diverged |" in capsys.readouterr().out
+
+
+MY_TABLES = {  # a user's own pre-training table, and a table fine-tuning from it (task.pretrained=table:)
+    "mine_pre": "rows: [norm.name]\nmetrics: [{key: loss, value: metrics.final.val/loss}]\n"
+                "blocks: ['experiment=mae_pretrain norm=dyt']\n",
+    "mine": "rows: [norm.name]\nmetrics: [{key: top1, value: metrics.reported.top1, fmt: .1f}]\n"
+            "blocks: ['experiment=mae_finetune norm=dyt task.pretrained=table:mine_pre']\n",
+}
+
+
+def test_compare_reads_a_users_own_chained_table_as_table_run_finds_it(tmp_path, capsys):
+    """``compare --table mine hydra.searchpath=[...]`` (as ``table run`` takes it) and ``--table <spec
+    file>`` (its linked table found beside it) read the records of the user's chained table."""
+    from normexp.tables.cli import make_plan
+
+    (tmp_path / "configs" / "table").mkdir(parents=True)
+    for table, text in MY_TABLES.items():
+        (tmp_path / "configs" / "table" / f"{table}.yaml").write_text(text)
+    searchpath, root = f"hydra.searchpath=[file://{tmp_path}/configs]", tmp_path / "outputs"
+    results = {"mine_pre": {"final": {"val/loss": 0.5}}, "mine": {"reported": {"top1": 70.0}}}
+    for table, metrics in results.items():
+        for run in make_plan(table, "smoke", None, [searchpath], root).runs:
+            assert not run.blocked, run.blocked  # the fine-tune: once its pre-training has a record
+            run.dir.mkdir(parents=True)
+            (run.dir / "config.yaml").write_text(yaml.safe_dump(run.config))
+            (run.dir / "summary.json").write_text(json.dumps({"run_id": run.run_id, "status": "completed",
+                                                              "seed": 0, "metrics": metrics}))
+    spec_file = str(tmp_path / "configs" / "table" / "mine.yaml")
+    for where in (["--table", "mine", searchpath], ["--table", spec_file]):
+        main([*where, "--root", str(root), "--format", "csv"])
+        rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+        assert [(r["norm.name"], r["top1_mean"]) for r in rows] == [("dyt", "70.0")], where
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--root", str(root), searchpath])
+    assert exit_info.value.code == 2 and "only with --table" in capsys.readouterr().err

@@ -23,14 +23,16 @@ slot hooked, and writes ``<run dir>/analysis/``: one PNG per figure and the numb
 
 Everything is computed before anything is written, into a temporary directory renamed over ``analysis/``
 (``--out``: anywhere else): a failure leaves the previous analysis whole, and the next analyze removes the
-temporaries of one that was killed. Bad input (no run directory, no checkpoint, a diverged run, an
-unknown figure) is one line and exit code 2.
+temporaries of one that was killed. Only an analysis (a directory whose every file its ``summary.json``
+lists) is replaced: ``--out`` naming another existing directory writes ``<that dir>/<run name>-analysis/``.
+Bad input (no run directory, no checkpoint, a diverged run, an unknown figure) is one line and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -138,6 +140,28 @@ def remove_killed_analyses(parent: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def is_our_analysis(path: Path) -> bool:
+    """Whether ``path`` is a directory an analyze wrote: every entry in it is named in its ``summary.json``'s
+    ``files`` (the manifest), so replacing it loses nothing of anyone else's."""
+    try:
+        files = json.loads((path / "summary.json").read_text()).get("files")
+        entries = {entry.name for entry in path.iterdir()}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(files, list) and entries <= set(files)
+
+
+def writable_destination(candidates: list[Path]) -> Path:
+    """The first of ``candidates`` that is absent or an analysis output of ours (to be replaced whole): a
+    directory of the user's is never removed -- ``--out <existing dir>`` writes into a new folder under it."""
+    for path in candidates:
+        if not os.path.lexists(path) or (path.is_dir() and not path.is_symlink() and is_our_analysis(path)):
+            return path
+    last = candidates[-1]
+    kind = "a directory that holds files analyze did not write" if last.is_dir() else "not a directory"
+    raise UserError(f"'{last}' is {kind}: move it away, or write the analysis elsewhere: --out <new dir>")
+
+
 def analyze(run_dir: str | Path, figures: list[str], images: int, seed: int, ema: bool | None = None,
             token_slot: str | None = None, device: str = "cpu", slots: list[str] | None = None,
             max_slots: int | None = MAX_IO_SLOTS,
@@ -149,9 +173,11 @@ def analyze(run_dir: str | Path, figures: list[str], images: int, seed: int, ema
     if max_slots is not None and max_slots < 1:
         raise UserError(f"--max-slots must be at least 1, got {max_slots}")
     run = load_run(run_dir, ema=ema)
+    candidates = ([run.dir / "analysis"] if out is None
+                  else [Path(out), Path(out) / f"{run.dir.name}-analysis"])
+    final = writable_destination(candidates)
     analysis = analyse(run, figures, images=images, seed=seed, token_slot=token_slot, device=device,
                        io_patterns=slots, io_max=max_slots)
-    final = Path(out) if out is not None else run.dir / "analysis"
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         remove_killed_analyses(final.parent)
@@ -193,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-ema", action="store_true",
                         help="the trained weights even where the run reports its EMA's")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
-    parser.add_argument("--out", default=None, help="where the analysis goes (default: <run dir>/analysis)")
+    parser.add_argument("--out", default=None, help="where the analysis goes (default: <run dir>/analysis); "
+                        "in an existing directory that is not an analysis: a new <run name>-analysis folder")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:

@@ -79,7 +79,9 @@ def load_run(run_dir: str | Path, ema: bool | None = None) -> LoadedRun:
                         "still in its first epoch): nothing to analyse")
     state = load_checkpoint(run_dir)
     weights, which = task.backbone_weights(state, ema)
-    model = build_backbone(config["backbone"], config["norm"])
+    # the model they fill: an MAE's encoder, a DINO teacher's backbone; else the configured classifier
+    model = task.backbone_model(OmegaConf.create(config)) if task.backbone_model is not None \
+        else build_backbone(config["backbone"], config["norm"])
     load_model_state(model, weights, str(run_dir))
     use_ema = which == "ema"
     return LoadedRun(run_dir, config, summary, model.eval(), use_ema, state.get("epoch"))

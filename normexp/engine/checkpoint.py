@@ -11,6 +11,7 @@ import torch
 
 from ..errors import UserError
 from ..tracking.records import read_config, write_atomic
+from ..tracking.run_dir import resolve_source
 
 
 class _KeepsWriteErrors:
@@ -61,8 +62,8 @@ def damaged_record(path: Path) -> str | None:
 
 
 def checkpoint_file(source: str | Path) -> Path:
-    """A checkpoint file, or the ``checkpoint.pth`` of a run directory."""
-    path = Path(source)
+    """A checkpoint file, or the ``checkpoint.pth`` of a run directory (or of ``run:<run_id>``)."""
+    path = resolve_source(source)
     return path / "checkpoint.pth" if path.is_dir() else path
 
 
@@ -95,7 +96,7 @@ def load_model_state(model: torch.nn.Module, state_dict: dict[str, Any], source:
 
 def checkpoint_run_config(source: str | Path) -> dict[str, Any] | None:
     """The resolved config of the run that wrote a checkpoint (None for a foreign file without one)."""
-    path = Path(source)
+    path = resolve_source(source)
     if (path / "config.yaml").is_file():
         return read_config(path)
     state = load_checkpoint(path)

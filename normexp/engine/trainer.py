@@ -344,8 +344,11 @@ class Trainer:
         self.record.log({"step": self.update, "epoch": self.epoch + 1, "train/loss": mean, "lr": lr})
         self.loss_window.reset()
 
-    def better(self, value: float, best: float) -> bool:
-        """Whether ``value`` of ``trainer.best_metric`` beats the best so far."""
+    def better(self, value: float | None, best: float | None) -> bool:
+        """Whether ``value`` of ``trainer.best_metric`` beats the best so far (an undefined one, None, never
+        does; any defined one beats it)."""
+        if value is None or best is None:
+            return best is None and value is not None
         lowest = self.cfg.best_metric.rsplit("/", 1)[-1] in self.minimized
         return value < best if lowest else value > best
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +41,7 @@ def coco_results(image_id: int, output: dict[str, torch.Tensor], category_ids: S
 
 
 def coco_evaluate(ground_truth: COCO, results: list[dict[str, Any]], iou_type: str,
-                  image_ids: Sequence[int] | None = None) -> tuple[dict[str, float], str]:
+                  image_ids: Sequence[int] | None = None) -> tuple[dict[str, float | None], str]:
     """COCOeval of ``results`` (``iou_type`` 'bbox' or 'segm'): the six AP figures and the printed table; no
     detections at all score 0."""
     if not results:
@@ -56,8 +55,9 @@ def coco_evaluate(ground_truth: COCO, results: list[dict[str, Any]], iou_type: s
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()
-    # COCOeval reports -1 where a size range has no ground truth; that is "undefined", not a score.
-    stats = {k: float(v) if v >= 0 else math.nan for k, v in zip(STATS, evaluator.stats[:6], strict=True)}
+    # COCOeval reports -1 where a size range has no ground truth; that is "undefined" (None), not a score --
+    # and not a non-finite number, which the record reads as divergence
+    stats = {k: float(v) if v >= 0 else None for k, v in zip(STATS, evaluator.stats[:6], strict=True)}
     lines = printed.getvalue().splitlines()
     table = "\n".join(line for line in lines if line.startswith(" Average Precision"))
     return stats, table

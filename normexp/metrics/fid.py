@@ -4,6 +4,7 @@ and reference batches keep them."""
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +57,45 @@ def load_reference(path: str | Path, resolution: int, features: int) -> dict[str
             if "resolution" in npz:
                 found = int(npz["resolution"])
             elif "arr_0" in npz:
-                found = int(npz["arr_0"].shape[1])  # ADM's reference batches: (N, H, W, 3) uint8 images
+                found = int(_stored_shape(npz.zip, "arr_0")[1])  # ADM's batches: (N, H, W, 3) uint8 images
             else:
                 raise UserError(f"{path} does not say its resolution (no 'arr_0' images, no 'resolution')")
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read reference statistics {path}: {e}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        said = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise UserError(f"cannot read reference statistics {path} ({type(e).__name__}: {said}): the file is "
+                        "damaged or no .npz: restore it from a copy or make it again") from None
     if found != resolution:
         raise UserError(f"reference statistics {path} are of {found} px images, the samples of "
                         f"{resolution} px: use a reference of {resolution} px "
                         f"(ADM: VIRTUAL_imagenet{resolution}_labeled.npz)")
-    if stats["mu"].shape != (features,):
-        raise UserError(f"reference statistics {path} have {stats['mu'].shape[0]} features, ours {features}")
+    problem = statistics_problem(stats["mu"], stats["sigma"], features)
+    if problem:
+        raise UserError(f"reference statistics {path} are no mean and covariance of {features} features "
+                        f"({problem}): remake them, or give ADM's reference batch")
     return stats
+
+
+def _stored_shape(archive: zipfile.ZipFile, name: str) -> tuple[int, ...]:
+    """The shape of array ``name`` in an ``.npz`` from its header alone (ADM's reference images are 2 GB)."""
+    with archive.open(f"{name}.npy") as f:
+        header = np.lib.format
+        major, _ = header.read_magic(f)
+        return (header.read_array_header_1_0 if major == 1 else header.read_array_header_2_0)(f)[0]
+
+
+def statistics_problem(mu: np.ndarray, sigma: np.ndarray, features: int) -> str | None:
+    """What makes ``mu`` and ``sigma`` no mean and covariance of ``features`` features (shapes, non-finite
+    values, a sigma not symmetric or not positive semi-definite up to rounding), or None."""
+    if mu.shape != (features,) or sigma.shape != (features, features):
+        return (f"mu has shape {mu.shape} and sigma {sigma.shape}, ours ({features},) and "
+                f"({features}, {features})")
+    if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
+        return "they hold NaN or infinite values"
+    sigma = sigma.astype(np.float64)
+    scale = float(np.abs(sigma).max()) or 1.0
+    if not np.allclose(sigma, sigma.T, rtol=1e-5, atol=1e-8 * scale):
+        return "sigma is not symmetric"
+    lowest = float(np.linalg.eigvalsh(sigma).min())
+    if lowest < -1e-6 * scale:  # a covariance's eigenvalues are >= 0, here up to float rounding
+        return f"sigma has a negative eigenvalue, {lowest:.3g}"
+    return None

@@ -5,8 +5,10 @@ CPU stand-in on the digits (``fd_digits``, never "FID": its numbers are on anoth
 from __future__ import annotations
 
 import logging
+import pickle
 import socket
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -28,17 +30,55 @@ def online(host: str = "github.com", timeout: float = 3.0) -> bool:
 
 
 def check_inception_weights(path: str | None) -> None:
-    """Before any work: the Inception weights are a readable file, a cached copy, or downloadable."""
+    """Before any work: the Inception weights are a file of Inception-v3's weights (or a cached copy of
+    them), or downloadable."""
     if path:
         if not Path(path).is_file():
             raise UserError(f"task.fid.inception_weights={path} does not exist: give the path of "
                             f"torch-fidelity's {INCEPTION_FILE}")
+        inception_weights(path)
         return
     cached = Path(torch.hub.get_dir()) / "checkpoints" / INCEPTION_FILE
-    if not cached.is_file() and not online():
+    if cached.is_file():
+        inception_weights(str(cached))
+    elif not online():
         raise UserError(f"the Inception weights are not cached ({cached}) and this machine is offline: set "
                         f"task.fid.inception_weights to a copy of torch-fidelity's {INCEPTION_FILE} "
                         "(downloaded on an online machine)")
+
+
+def inception_weights(path: str | None) -> dict[str, torch.Tensor]:
+    """The state of torch-fidelity's Inception-v3 read from ``path`` (None: its cached download) as tensors
+    only (``weights_only=True``: a pickle's code never runs), checked against the network's layout; a file
+    that is anything else is one line."""
+    from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3
+
+    what = f"task.fid.inception_weights={path}" if path else f"the cached Inception weights {INCEPTION_FILE}"
+    try:
+        state = (torch.load(path, map_location="cpu", weights_only=True) if path else
+                 torch.hub.load_state_dict_from_url(URL_INCEPTION_V3, map_location="cpu", check_hash=True,
+                                                    weights_only=True))
+        if not isinstance(state, dict):
+            raise TypeError(f"it holds a {type(state).__name__}, not a state dict")
+        inception_network({k: v.to("meta") for k, v in state.items()}, torch.device("meta"))
+    except pickle.UnpicklingError:  # torch's advice here is to unpickle anyway: not ours to give
+        raise UserError(f"{what} is not torch-fidelity's Inception-v3 weights: it holds objects other than "
+                        f"tensors, which are never loaded: give the path of its {INCEPTION_FILE}") from None
+    except Exception as e:  # a damaged file, other weights
+        said = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UserError(f"{what} is not torch-fidelity's Inception-v3 weights ({type(e).__name__}: {said}): "
+                        f"give the path of its {INCEPTION_FILE}") from None
+    return state
+
+
+def inception_network(state: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+    """torch-fidelity's ``inception-v3-compat`` holding ``state`` (strictly: keys and shapes). Its constructor
+    loads weights itself, with ``torch.load(weights_only=False)`` of a path or from its URL: it is handed the
+    state read safely instead."""
+    from torch_fidelity import feature_extractor_inceptionv3 as fidelity
+
+    with mock.patch.object(fidelity, "load_state_dict_from_url", lambda *_, **__: state), device:
+        return fidelity.FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"])
 
 
 class InceptionFeatures(nn.Module):
@@ -48,10 +88,7 @@ class InceptionFeatures(nn.Module):
 
     def __init__(self, weights: str | None = None) -> None:
         super().__init__()
-        from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
-
-        self.net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
-                                               feature_extractor_weights_path=weights)
+        self.net = inception_network(inception_weights(weights), torch.device("cpu"))
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -6,7 +6,6 @@ Rows that are the very same runs point to the first of them (``Row.same_as``).""
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,7 @@ from ..metrics.robustness import (
     relative_corruption_errors,
 )
 from . import stats
-from .plan import PlannedRun, TablePlan
+from .plan import SOURCE_DIVERGED, PlannedRun, TablePlan
 from .spec import Metric, Point, TableSpec, get_path
 
 
@@ -80,6 +79,7 @@ class Cell:
     derived: bool = False  # a value was computed across runs (``Metric.derive``), not read from a record
     seeds: list[int] = field(default_factory=list)  # the seed of each value
     delta_interval: stats.Interval | None = None  # ``delta`` and its interval (paired or Welch)
+    diverged: list[int] = field(default_factory=list)  # seeds whose run (or its pre-training) diverged
 
     @property
     def by_seed(self) -> dict[Any, float]:
@@ -88,6 +88,12 @@ class Cell:
     @property
     def interval(self) -> stats.Interval | None:
         return stats.t_interval(self.values)
+
+    def outcomes(self, higher_is_better: bool) -> dict[Any, float]:
+        """``by_seed`` with each diverged seed as the worst value there is: divergence is a result, the worst
+        one, so a diverged run ranks last and loses to any run that did not (ties one that did)."""
+        worst = -math.inf if higher_is_better else math.inf
+        return {**self.by_seed, **dict.fromkeys(self.diverged, worst)}
 
     @property
     def within_noise(self) -> bool | None:
@@ -99,11 +105,11 @@ class Cell:
 
     @property
     def mean(self) -> float | None:
-        return statistics.fmean(self.values) if self.values else None
+        return stats.mean(self.values) if self.values else None
 
     @property
     def std(self) -> float | None:
-        return statistics.stdev(self.values) if len(self.values) > 1 else None
+        return stats.std(self.values) if len(self.values) > 1 else None
 
 
 @dataclass
@@ -161,13 +167,16 @@ class TableResult:
 
 def marker(run: PlannedRun) -> str | None:
     """What a run that is not a completed result shows instead of a value."""
+    if run.source_diverged and run.record is None:
+        return f"pre-training {run.source_diverged}"
     if run.record is None:
         return "missing"
     summary = run.record.summary
     if run.status == "completed":
         return None
-    if run.status == "diverged":
-        return f"diverged@{get_path(summary, 'diverged.step')}"
+    if run.status == "diverged":  # at its step; a record that does not know it (old non-finite metrics): why
+        step = get_path(summary, "diverged.step")
+        return f"diverged@{step}" if step is not None else f"diverged: {summary.get('error', '')}".strip()
     if run.status == "failed":
         return f"failed: {summary.get('error', '')}".strip()
     return run.status
@@ -240,6 +249,8 @@ def _cell(spec: TableSpec, metric: Metric, row: Row, base: Row | None) -> Cell:
         mark = marker(run)
         if mark is not None:
             cell.markers.append(mark)
+            if run.status in ("diverged", SOURCE_DIVERGED):
+                cell.diverged.append(point.seed)
             continue
         summary = run.record.summary  # type: ignore[union-attr]
         value = metric_value(metric, summary)
@@ -270,6 +281,7 @@ class Method:
     improvement: stats.Interval | None = None  # probability of improvement over the stratum's baseline
     baseline: bool = False                   # it is the baseline of the strata it is in
     compared: int = 0                        # strata where it is compared with a baseline
+    diverged: int = 0                        # its diverged runs in the strata it is ranked in (ranked last)
 
 
 @dataclass
@@ -309,22 +321,25 @@ def across_strata(result: TableResult) -> list[Across]:
     stratum_keys = tuple(k for k in spec.label_keys if any(k in dict(s) for s in strata))
     out = []
     for metric in (m for m in spec.metrics if m.delta):
-        ranked = [{m: r.cells[metric.key].values for m, r in methods.items() if r.cells[metric.key].values}
-                  for methods in strata.values()]
+        outcomes = [{m: r.cells[metric.key].outcomes(metric.higher_is_better) for m, r in methods.items()}
+                    for methods in strata.values()]
+        ranked = [{m: list(o.values()) for m, o in s.items() if o} for s in outcomes]
         ranks = stats.mean_ranks([s for s in ranked if len(s) > 1], metric.higher_is_better)
         methods_out = []
         for method, labels in method_labels.items():
             pairs = []
-            for stratum, methods in strata.items():
+            for stratum, methods, found in zip(strata, strata.values(), outcomes, strict=True):
                 base = methods.get(base_of.get(stratum, ()))
                 if method in methods and base is not None and base is not methods[method]:
-                    own, ref = methods[method].cells[metric.key], base.cells[metric.key]
-                    if own.values and ref.values:
-                        pairs.append((own.by_seed, ref.by_seed))
+                    own, ref = found[method], found[base_of[stratum]]
+                    if own and ref:
+                        pairs.append((own, ref))
             rank = ranks.get(method)
+            diverged = sum(len(strata[stratum][method].cells[metric.key].diverged)
+                           for stratum, s in zip(strata, ranked, strict=True) if method in s and len(s) > 1)
             methods_out.append(Method(
                 labels, sum(method in s for s in ranked if len(s) > 1), rank,
                 stats.probability_of_improvement(pairs, metric.higher_is_better) if pairs else None,
-                method in baselines, len(pairs)))
+                method in baselines, len(pairs), diverged))
         out.append(Across(metric, stratum_keys, sum(len(s) > 1 for s in ranked), methods_out))
     return out

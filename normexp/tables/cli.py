@@ -31,19 +31,29 @@ from ..tracking.lock import live_owner
 from .aggregate import aggregate
 from .plan import PlannedRun, TablePlan, hydra_composer, is_hydra_override, plan_table
 from .render import RESULTS_DIR, to_markdown, write_table
-from .spec import DEFAULT_SCALE, list_scales, list_tables, load_scale, load_table, searchpath_of
+from .spec import (
+    DEFAULT_SCALE,
+    distinct_seeds,
+    list_scales,
+    list_tables,
+    load_scale,
+    load_table,
+    searchpath_of,
+)
 from .sweep import print_plan
 
 WAIT_POLL_S = 5.0
 
 
 def parse_seeds(text: str | None) -> tuple[int, ...] | None:
+    """``--seeds 0,1,2`` as distinct integers (None: the scale's)."""
     if not text:
         return None
     try:
-        return tuple(int(s) for s in text.replace(" ", "").split(",") if s)
+        seeds = tuple(int(s) for s in text.replace(" ", "").split(",") if s)
     except ValueError:
-        raise UserError(f"--seeds takes a comma-separated list of integers, got '{text}'") from None
+        raise UserError(f"--seeds takes comma-separated integers, e.g. 0,1,2; got '{text}'") from None
+    return distinct_seeds(seeds, "--seeds")
 
 
 def make_plan(table: str, scale: str, seeds: tuple[int, ...] | None, extra: list[str],
@@ -174,12 +184,12 @@ def planner_cli(prog: str, description: str, item: str, out: Path, list_func: Ca
 def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     """Parse ``argv`` (overrides may follow the options) and run its command; a UserError is one line,
     exit code 2."""
-    args, unknown = parser.parse_known_args(argv)
-    args.overrides += [u for u in unknown if "=" in u and not u.startswith("-")]
-    unknown = [u for u in unknown if u not in args.overrides]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        args, unknown = parser.parse_known_args(argv)  # an option's parser (--seeds) raises UserError
+        args.overrides += [u for u in unknown if "=" in u and not u.startswith("-")]
+        unknown = [u for u in unknown if u not in args.overrides]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         sys.exit(args.func(args))
     except UserError as e:
         print(f"error: {one_line(e)}", file=sys.stderr)

@@ -23,12 +23,13 @@ from ..preflight import validate
 from ..tracking.lock import read_owner
 from ..tracking.provenance import config_hash
 from ..tracking.records import DONE, Record, load_record
-from ..tracking.run_dir import run_dir
+from ..tracking.run_dir import RUN_LINK, TABLE_LINK, run_dir
 from .spec import Point, Scale, TableSpec, expand_blocks, get_path
 
 log = logging.getLogger(__name__)
 
 ComposeFn = Callable[[list[str]], DictConfig]
+SOURCE_DIVERGED = "source diverged"  # the run it starts from diverged: nothing to start from, a result
 
 
 @dataclass
@@ -36,7 +37,9 @@ class PlannedRun:
     """One run a table needs: the overrides it is launched with and the points (rows x seeds) it serves.
 
     ``blocked``: why it cannot run yet (a run it starts from, e.g. a pretrained backbone, has no result);
-    ``needs``: the table that run is in (``table run`` runs that table first).
+    ``needs``: the table that run is in (``table run`` runs that table first). ``source_diverged``: the
+    run it starts from diverged (``diverged@<step>``): a result, so this one is never launched and its
+    cells say so.
     A ``damaged`` record is shown as such and never launched again over: its directory is the user's to
     repair or move away.
     """
@@ -49,16 +52,19 @@ class PlannedRun:
     record: Record | None = None
     blocked: str | None = None
     needs: str | None = None
+    source_diverged: str | None = None
 
     @property
     def status(self) -> str:
         if self.record:
             return self.record.status
+        if self.source_diverged:
+            return SOURCE_DIVERGED
         return "blocked" if self.blocked else "missing"
 
     @property
     def done(self) -> bool:
-        return self.status in DONE
+        return self.status in (*DONE, SOURCE_DIVERGED)
 
     @property
     def damaged(self) -> bool:
@@ -184,11 +190,12 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
                                 f"best_of.key {spec.best_of.key}: every block of a best_of table sweeps it")
         point.paper = resolved(paper_cfg)
         overrides = scale.apply(point.overrides, point.task) + list(extra)
-        overrides, blocked, needs = _resolve_links(overrides, point, spec, scale, seeds, compose, root,
-                                                   linked)
+        links = _resolve_links(overrides, point, spec, scale, seeds, compose, root, linked)
+        overrides = links.overrides
         cfg = paper_cfg if overrides == point.overrides else _compose(compose, overrides, spec.id)
-        if prepare and not blocked:
-            cfg = _prepared(cfg)
+        earlier = None
+        if prepare and not links.blocked and not links.source_diverged:
+            cfg, earlier = _prepared(cfg, links.found)
         config = resolved(cfg)
         run_id = config_hash(config)
         if run_id not in runs:
@@ -196,37 +203,50 @@ def plan_table(spec: TableSpec, scale: Scale, seeds: Iterable[int] | None, compo
                 validate(cfg, environment=False)
             except UserError as e:
                 raise UserError(f"table {spec.id}: the run {' '.join(overrides)} is invalid: {e}") from None
-            runs[run_id] = PlannedRun(run_id, overrides, config, run_dir(config, root), blocked=blocked,
-                                      needs=needs)
+            runs[run_id] = PlannedRun(run_id, overrides, config, run_dir(config, root), blocked=links.blocked,
+                                      needs=links.needs, source_diverged=links.source_diverged)
             runs[run_id].read_record()
+            if runs[run_id].record is None and earlier is not None:
+                _adopt_earlier(runs[run_id], earlier, root)
         runs[run_id].points.append(point)
     return TablePlan(spec, scale, seeds, list(runs.values()))
 
 
-LINK = "table:"
+@dataclass
+class Links:
+    """A point's overrides with its ``table:<id>`` links made ``run:<run_id>``; ``found``: the directory of
+    each linked run that has a result, by key; ``blocked``/``needs``/``source_diverged`` as
+    :class:`PlannedRun`'s."""
+
+    overrides: list[str]
+    found: dict[str, Path] = field(default_factory=dict)
+    blocked: str | None = None
+    needs: str | None = None
+    source_diverged: str | None = None
 
 
 def _resolve_links(overrides: list[str], point: Point, spec: TableSpec, scale: Scale,
                    seeds: tuple[int, ...], compose: ComposeFn, root: Path | None,
-                   linked: dict[str, list[tuple[Point, PlannedRun]]]
-                   ) -> tuple[list[str], str | None, str | None]:
-    """Replace ``key=table:<id>`` by the record directory of that table's run of the same model and seed.
+                   linked: dict[str, list[tuple[Point, PlannedRun]]]) -> Links:
+    """Replace ``key=table:<id>`` by ``key=run:<run_id>`` of that table's run of the same model and seed.
 
     ``task.pretrained=table:dtn_backbones`` starts a detector from the ImageNet run of ``dtn_backbones``
     whose config agrees with this point's on the spec's ``link_keys`` (at paper scale; by default the
     backbone and norm names; ``table.*`` keys a block sets, e.g. ``+table.method=mae``, tell apart runs of
-    one model that start from different pre-trainings). Until that run has a result, the point is blocked:
-    returns (the overrides, why it is blocked, the table it needs).
+    one model that start from different pre-trainings). The run id, not its directory, is in this run's
+    identity: the same run on any output root, wherever it is mounted (the run finds its directory when it
+    starts, :func:`normexp.tracking.run_dir.resolve_source`). Until that run has a result, the point is
+    blocked; where it (or the run it starts from) diverged, there is nothing to start from.
     """
-    out, blocked, needs = [], None, None
+    links = Links([])
     keys = spec.link_keys
     for override in overrides:
         key, _, value = override.partition("=")
         value = value.replace("\\:", ":")  # Hydra's override grammar escapes ':' in the values it prints
-        if not value.startswith(LINK):
-            out.append(override)
+        if not value.startswith(TABLE_LINK):
+            links.overrides.append(override)
             continue
-        other = value[len(LINK):]
+        other = value[len(TABLE_LINK):]
         if other not in linked:
             from .spec import load_table
 
@@ -236,12 +256,18 @@ def _resolve_links(overrides: list[str], point: Point, spec: TableSpec, scale: S
                       and all(get_path(p.paper, k) == v for k, v in mine.items())), None)
         if match is None:
             raise UserError(f"{key}={value}: table {other} has no run with {mine} and seed {point.seed}")
-        if match.done and match.record is not None:
-            out.append(f"{key}={match.record.dir}")
+        links.overrides.append(f"{key}={RUN_LINK}{match.run_id}")
+        if match.status == "diverged":
+            step = get_path(match.record.summary, "diverged.step")  # type: ignore[union-attr]
+            links.source_diverged = f"diverged@{step}"
+        elif match.source_diverged:
+            links.source_diverged = match.source_diverged
+        elif match.done and match.record is not None:
+            links.found[key.lstrip("+~")] = match.record.dir
         else:
-            out.append(f"{key}=pending-{match.run_id}")  # a stand-in that keeps other starts' runs apart
-            blocked, needs = f"needs table {other}'s run {match.dir_name} ({match.status})", other
-    return out, blocked, needs
+            links.blocked = f"needs table {other}'s run {match.dir_name} ({match.status})"
+            links.needs = other
+    return links
 
 
 def _compose(compose: ComposeFn, overrides: list[str], table_id: str) -> DictConfig:
@@ -254,13 +280,34 @@ def _compose(compose: ComposeFn, overrides: list[str], table_id: str) -> DictCon
         raise UserError(f"table {table_id}: overrides {' '.join(overrides)} do not compose: {first}") from e
 
 
-def _prepared(cfg: DictConfig) -> DictConfig:
+def _prepared(cfg: DictConfig, found: dict[str, Path]) -> tuple[DictConfig, dict[str, Any] | None]:
+    """``cfg`` as its task prepares it, with the runs it links (``run:<run_id>``) read from where this plan
+    found them (its output root may not be the environment's); the links stay run ids, as in the job. Also
+    the config as planners before ``run:<run_id>`` links recorded it (the linked directories in place of the
+    ids; None when nothing is linked), so that their runs are still found."""
     from ..tasks import prepare_config
 
+    located = copy.deepcopy(cfg)
+    for key, directory in found.items():
+        OmegaConf.update(located, key, str(directory))
     try:
-        return prepare_config(cfg)
+        prepared = prepare_config(located)
     except UserError:  # the job will fail and record this, as a failed run of the config as given
-        return cfg
+        return cfg, None
+    earlier = resolved(prepared) if found else None
+    for key in found:
+        OmegaConf.update(prepared, key, OmegaConf.select(cfg, key))
+    return prepared, earlier
+
+
+def _adopt_earlier(run: PlannedRun, earlier: dict[str, Any], root: Path | None) -> None:
+    """Take the result of ``run`` as an earlier planner recorded it, under the linked run's directory rather
+    than its id, when that record is finished: a fine-tune trained before is not trained again."""
+    directory = run_dir(earlier, root)
+    if (directory / "summary.json").is_file():
+        record = load_record(directory, with_config=True)
+        if record.status in DONE:
+            run.run_id, run.dir, run.record = config_hash(earlier), directory, record
 
 
 def is_hydra_override(override: str) -> bool:

@@ -135,6 +135,9 @@ def caption(result: TableResult) -> list[str]:
     if any(m.delta for m in spec.metrics):
         lines.append(DELTA_CAPTION)
     lines.append(seed_noise_line(result))
+    if any(run.source_diverged for run in result.plan.runs):
+        lines.append("`pre-training diverged@<step>`: the run this one starts from diverged at that step (a "
+                     "result): there is nothing to start from, and nothing was launched.")
     if any(run.damaged for run in result.plan.runs):
         lines.append("`damaged`: a record that does not read back (`normexp table run` names what is wrong).")
     lines += shared_runs_notes(result)
@@ -325,7 +328,10 @@ def across_caption(result: TableResult, across: list[Across]) -> str:
             f"seeds differ), averaged over the {strata} values (Agarwal et al. 2021, arXiv:2108.13264). "
             f"[low, high]: the {LEVEL} stratified bootstrap interval (runs resampled within their {strata}; "
             f"percentile, {N_RESAMPLES} resamples), none where a cell has one run; {WITHIN_NOISE}: P's "
-            "interval holds 1/2. n: the strata ranked / compared.")
+            "interval holds 1/2. n: the strata ranked / compared."
+            + (f" A diverged run is a result, the worst: it ranks last in its {strata} and loses every "
+               "comparison (ties another diverged run); `k diverged`: the method's diverged runs counted so."
+               if any(m.diverged for a in across for m in a.methods) else ""))
 
 
 def across_grid(result: TableResult, across: list[Across]) -> tuple[list[str], list[list[str]]]:
@@ -339,7 +345,8 @@ def across_grid(result: TableResult, across: list[Across]) -> tuple[list[str], l
         line = [spec.display(k, method.labels[k]) if k in method.labels else "" for k in keys]
         for a in across:
             m = a.methods[i]
-            line.append(f"{bracket(m.rank, '.2f')} ({m.strata})" if m.rank else "—")
+            counted = f"{m.strata}; {m.diverged} diverged" if m.diverged else f"{m.strata}"
+            line.append(f"{bracket(m.rank, '.2f')} ({counted})" if m.rank else "—")
             line.append("baseline" if m.baseline and not m.compared else
                         f"{bracket(m.improvement, '.2f', 0.5)} ({m.compared})" if m.improvement else "—")
         body.append(line)
@@ -352,15 +359,15 @@ def across_csv(result: TableResult, across: list[Across]) -> str:
     keys = list(dict.fromkeys(k for a in across for m in a.methods for k in m.labels))
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["table", "scale", "metric", *keys, "baseline", "strata_ranked", "mean_rank",
-                     "mean_rank_low", "mean_rank_high", "strata_compared", "p_improvement",
+    writer.writerow(["table", "scale", "metric", *keys, "baseline", "strata_ranked", "diverged_runs",
+                     "mean_rank", "mean_rank_low", "mean_rank_high", "strata_compared", "p_improvement",
                      "p_improvement_low", "p_improvement_high", "within_noise"])
     for a in across:
         for m in a.methods:
             rank, poi = m.rank, m.improvement
             noise = poi is not None and poi.has_interval and poi.low <= 0.5 <= poi.high  # type: ignore[operator]
             writer.writerow([spec.id, result.plan.scale.name, a.metric.key,
-                             *[m.labels.get(k, "") for k in keys], m.baseline, m.strata,
+                             *[m.labels.get(k, "") for k in keys], m.baseline, m.strata, m.diverged,
                              *[_raw(getattr(rank, f, None)) for f in ("estimate", "low", "high")], m.compared,
                              *[_raw(getattr(poi, f, None)) for f in ("estimate", "low", "high")],
                              WITHIN_NOISE if noise else ""])

@@ -190,6 +190,9 @@ def load_table(name: str, searchpath: Iterable[str] = ()) -> TableSpec:
     """The table ``configs/table/<name>.yaml`` (or on Hydra's search path), or the spec file ``name``."""
     searchpath = tuple(searchpath)
     path = _spec_path(name, "table", searchpath)
+    if path.parent.name == "table" and path.parent.parent.resolve() not in \
+            {d.resolve() for d in config_dirs(searchpath)}:  # a spec file: the tables it links are beside it
+        searchpath = (*searchpath, f"file://{path.parent.parent.resolve()}")
     table_id = path.stem
     data = _load_yaml(path, "table", list_tables(searchpath))
     _unknown_keys(data, TABLE_KEYS, str(path))
@@ -273,9 +276,9 @@ def load_scale(name: str, searchpath: Iterable[str] = ()) -> Scale:
                 merged.setdefault(key, {}).setdefault(pattern, values)
         replace = merged
         overrides = {**base.overrides, **overrides}
-    seeds = data.get("seeds") or [0]
-    return Scale(name=name, description=str(data.get("description", "")).strip(),
-                 seeds=tuple(int(s) for s in seeds), replace=replace, overrides=overrides,
+    seeds = distinct_seeds(tuple(int(s) for s in data.get("seeds") or [0]), f"{path}: seeds")
+    return Scale(name=name, description=str(data.get("description", "")).strip(), seeds=seeds,
+                 replace=replace, overrides=overrides,
                  caption=str(data.get("caption", "")).strip())
 
 
@@ -314,8 +317,19 @@ def expand_sweep(args: list[str]) -> list[list[str]]:
     return [list(job) for job in itertools.product(*choices)]
 
 
+def distinct_seeds(seeds: tuple[int, ...], where: str = "seeds") -> tuple[int, ...]:
+    """``seeds`` when no seed repeats: a repeated seed is the same run again, not another sample: counted
+    again, it would shrink a cell's interval to nothing."""
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise UserError(f"{where} {','.join(map(str, seeds))} repeats seed(s) "
+                        f"{','.join(map(str, repeated))}: a seed is one run, so give each once, e.g. 0,1,2")
+    return seeds
+
+
 def expand_blocks(spec: TableSpec, seeds: tuple[int, ...]) -> list[Point]:
     """Every combination of every block, once per seed (a block that sets ``seed`` itself keeps it)."""
+    distinct_seeds(tuple(seeds))
     points = []
     for block in spec.blocks:
         args = block.split()

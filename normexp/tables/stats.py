@@ -46,8 +46,37 @@ class Interval:
 def _t_around(estimate: float, se: float, df: float, n: int, kind: str, confidence: float) -> Interval:
     from scipy import stats
 
-    half = 0.0 if se == 0 else float(stats.t.ppf((1 + confidence) / 2, df)) * se
+    half = 0.0 if se == 0 else se if math.isinf(se) else float(stats.t.ppf((1 + confidence) / 2, df)) * se
     return Interval(estimate, estimate - half, estimate + half, n, df, kind)
+
+
+def mean(values: Sequence[float]) -> float:
+    """The mean, also of values whose sum overflows a float (1e308 twice) though their mean does not."""
+    try:
+        return statistics.fmean(values)
+    except OverflowError:
+        return math.fsum(v / len(values) for v in values)
+
+
+def _spread(spread: Callable[[Sequence[float]], float], values: Sequence[float]) -> float:
+    """``spread`` (the sample std or variance) of ``values``: inf where it overflows a float, NaN where a
+    value is not finite -- an interval that honestly says nothing, not an exception."""
+    if not all(math.isfinite(v) for v in values):
+        return math.nan
+    try:
+        return spread(values)
+    except OverflowError:
+        return math.inf
+
+
+def std(values: Sequence[float]) -> float:
+    """The sample standard deviation (two or more values; see :func:`_spread`)."""
+    return _spread(statistics.stdev, values)
+
+
+def variance(values: Sequence[float]) -> float:
+    """The sample variance (two or more values; see :func:`_spread`)."""
+    return _spread(statistics.variance, values)
 
 
 def by_seed(seeds: Sequence[Hashable], values: Sequence[float]) -> dict[Hashable, float]:
@@ -62,10 +91,10 @@ def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Inter
     n = len(values)
     if n == 0:
         return None
-    mean = statistics.fmean(values)
+    estimate = mean(values)
     if n == 1:
-        return Interval(mean, n=1)
-    return _t_around(mean, statistics.stdev(values) / math.sqrt(n), n - 1, n, "t", confidence)
+        return Interval(estimate, n=1)
+    return _t_around(estimate, std(values) / math.sqrt(n), n - 1, n, "t", confidence)
 
 
 def paired_delta(x: Mapping[Hashable, float], y: Mapping[Hashable, float],
@@ -82,11 +111,11 @@ def welch_delta(x: Sequence[float], y: Sequence[float], confidence: float = CONF
     None."""
     if not x or not y:
         return None
-    estimate = statistics.fmean(x) - statistics.fmean(y)
+    estimate = mean(x) - mean(y)
     n = len(x) + len(y)
     if len(x) < 2 or len(y) < 2:
         return Interval(estimate, n=n, kind="Welch")
-    vx, vy = statistics.variance(x) / len(x), statistics.variance(y) / len(y)
+    vx, vy = variance(x) / len(x), variance(y) / len(y)
     se = math.sqrt(vx + vy)
     df = (vx + vy) ** 2 / (vx ** 2 / (len(x) - 1) + vy ** 2 / (len(y) - 1)) if se > 0 else n - 2
     return _t_around(estimate, se, df, n, "Welch", confidence)
@@ -113,7 +142,7 @@ def pooled_std(samples: Sequence[Sequence[float]]) -> tuple[float, int] | None:
     df = sum(len(s) - 1 for s in used)
     if df == 0:
         return None
-    return math.sqrt(sum((len(s) - 1) * statistics.variance(s) for s in used) / df), df
+    return math.sqrt(sum((len(s) - 1) * variance(s) for s in used) / df), df
 
 
 # ---------------------------------------------------------------- across strata (backbones)

@@ -74,7 +74,9 @@ def print_plan(plan: TablePlan, dry_run: bool) -> None:
           + (f", {len(busy)} running elsewhere" if busy else "")
           + (f", {len(damaged)} damaged" if damaged else ""), flush=True)
     for run in done:
-        print(f"  skip  {describe(plan, run)}: {run.status} at {run.record.dir}")  # type: ignore[union-attr]
+        where = (f"at {run.record.dir}" if run.record else
+                 f"(pre-training {run.source_diverged}: nothing to start from)")
+        print(f"  skip  {describe(plan, run)}: {run.status} {where}")
     for run in busy:
         print(f"  busy  {describe(plan, run)}: running in {run.owner()}")
     for run in blocked:

@@ -44,12 +44,13 @@ class Task:
     features, which the backbone must serve (its contract's ``serves``). ``starts_from``:
     the config key that names the run it starts from, if any. ``backbone_weights(state, ema)``: the
     backbone's weights in a checkpoint of one of its runs (None: its checkpoints hold no backbone a run can
-    start from or ``normexp analyze`` can rebuild). ``settings(values)``: its own settings a table's dry run
-    prints. ``backbone_kind``: the kind of model it builds from ``backbone`` (the backbone config's ``kind``;
-    absent: an image backbone). ``model_input(config)``: how ``normexp analyze`` feeds a run's model its
-    validation images (None: through the data's own transform, ``model(images)``). ``ranges``: its settings'
-    types and ranges, ``task.<key>`` (dotted: nested) -> :func:`normexp.config.rng`'s checks, refused by the
-    schema pass before any work.
+    start from or ``normexp analyze`` can rebuild); ``backbone_model(config)``: the model those weights fill,
+    built from a run's config (None: the configured backbone, a classifier). ``settings(values)``: its own
+    settings a table's dry run prints. ``backbone_kind``: the kind of model it builds from ``backbone`` (the
+    backbone config's ``kind``; absent: an image backbone). ``model_input(config)``: how ``normexp analyze``
+    feeds a run's model its validation images (None: through the data's own transform, ``model(images)``).
+    ``ranges``: its settings' types and ranges, ``task.<key>`` (dotted: nested) -> the checks of
+    :func:`normexp.config.rng`, refused by the schema pass before any work.
     """
 
     name: str
@@ -61,6 +62,7 @@ class Task:
     dense: bool = False
     starts_from: str | None = None
     backbone_weights: Callable[[dict[str, Any], bool | None], tuple[dict[str, Any], str]] | None = None
+    backbone_model: Callable[[DictConfig], nn.Module] | None = None
     settings: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     backbone_kind: str = "image"
     model_input: Callable[[dict[str, Any]], ModelInput] | None = None

@@ -369,4 +369,5 @@ RANGES = {
 }
 
 register_task(Task("dino", run_dino, data=("digits", "imagenet"), metrics=metric_names, check=check_dino,
-                   backbone_weights=teacher_backbone, settings=dino_settings, ranges=RANGES))
+                   backbone_weights=teacher_backbone, settings=dino_settings,
+                   backbone_model=lambda cfg: build_network(cfg, drop_path=False).backbone, ranges=RANGES))

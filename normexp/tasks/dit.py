@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import math
-import os
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,14 @@ from ..data import ImageSpec, build_classification_data
 from ..data.digits import digits_arrays
 from ..data.loaders import default_cache_dir, make_loader
 from ..diffusion import GaussianDiffusion, guided, spaced_steps
-from ..engine.checkpoint import checkpoint_run_config, load_checkpoint, load_model_state, reported_weights
+from ..engine.checkpoint import (
+    checkpoint_run_config,
+    damaged_record,
+    load_checkpoint,
+    load_model_state,
+    reported_weights,
+    save_checkpoint,
+)
 from ..engine.precision import resolve_device
 from ..engine.probes import Forward, Probe, get_probes
 from ..engine.trainer import Trainer
@@ -46,9 +53,9 @@ from ..models.features import (
 )
 from ..models.stats import count_params
 from ..models.vae import CHANNELS, DOWNSAMPLE, LatentCodec, check_vae
-from ..tracking.records import RunRecord
+from ..tracking.records import RunRecord, write_atomic
 from . import ModelInput, Task, evaluated, register_task
-from .latent_cache import CachedLatents, cache_folder, encode_dataset
+from .latent_cache import CachedLatents, cache_folder, encode_dataset, shard_sizes
 
 log = logging.getLogger(__name__)
 
@@ -277,11 +284,11 @@ def shard_labels(index: int, size: int, total: int, num_classes: int) -> torch.T
 
 
 def read_shard(path: Path, count: int, dims: int) -> dict[str, np.ndarray] | None:
-    """A finished shard's arrays, or None when it is missing or not whole."""
+    """A finished shard's arrays, or None when it is missing, damaged or not whole."""
     try:
         with np.load(path, allow_pickle=False) as npz:
             shard = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, EOFError):
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
         return None
     features = shard.get("features")
     return shard if features is not None and features.shape == (count, dims) else None
@@ -307,9 +314,8 @@ def generate_shards(sampler: Sampler, extractor: nn.Module, folder: Path, settin
                   "logits": scored["logits"].cpu().numpy()}
         if settings.save_samples:
             arrays["samples"] = images.permute(0, 2, 3, 1).numpy()
-        temporary = folder / f".{paths[index].name}.{os.getpid()}.npz"
-        np.savez(temporary, **arrays)
-        temporary.replace(paths[index])  # whole or absent: a kill leaves no half shard
+        # whole or absent: a kill leaves no half shard; a full disk names it
+        write_atomic(paths[index], lambda f, arrays=arrays: np.savez(f, **arrays))
         made += 1
     log.info("sampling: %d of %d shards made by process %d (%d kept from before)", made, shards, world.rank,
              len(range(world.rank, shards, world.world_size)) - made)
@@ -334,15 +340,16 @@ def reference_statistics(cfg: Any, extractor: nn.Module, device: torch.device) -
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     cached = default_cache_dir("fid_reference") / f"{name}-{size}-{key}.npz"
     if cached.is_file():
-        return load_reference(cached, size, extractor.dims)
+        damage = damaged_record(cached)
+        if damage is None:
+            return load_reference(cached, size, extractor.dims)
+        log.warning("computing the reference statistics again: the cached %s is damaged (%s)", cached, damage)
     features = []
     for images in reference_images(cfg, root):
         features.append(extractor(images.to(device))["features"].cpu().numpy())
     stats = statistics(np.concatenate(features))
     cached.parent.mkdir(parents=True, exist_ok=True)
-    temporary = cached.with_name(f".{cached.name}.{os.getpid()}.npz")
-    np.savez(temporary, mu=stats["mu"], sigma=stats["sigma"], resolution=size)
-    temporary.replace(cached)
+    write_atomic(cached, lambda f: np.savez(f, mu=stats["mu"], sigma=stats["sigma"], resolution=size))
     log.info("reference statistics of %s cached in %s", root or "the digits' training split", cached)
     return stats
 
@@ -371,12 +378,15 @@ def digits_features(data_cfg: Any, cache_root: Path, epochs: int = 12) -> Digits
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = cache_root / f"digits-{key}.pt"
     net = DigitsFeatures()
-    if path.is_file():
+    if path.is_file():  # checked as a checkpoint is (torch.load reads a flipped byte without a word)
+        damage = damaged_record(path)
         try:
-            net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-            return net.eval()
-        except (OSError, RuntimeError) as e:
-            log.warning("retraining the digits feature net: %s is unreadable (%s)", path, e)
+            if damage is None:
+                net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+                return net.eval()
+        except Exception as e:  # truncated, not a state of this net: ours to make again
+            damage = f"{type(e).__name__}: {str(e).strip()[:200]}"
+        log.warning("retraining the digits feature net: the cached %s is damaged (%s)", path, damage)
     arrays = digits_arrays(data_cfg.img_size, data_cfg.val_fraction, data_cfg.split_seed)
 
     def tensors(split: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,9 +412,7 @@ def digits_features(data_cfg: Any, cache_root: Path, epochs: int = 12) -> Digits
     log.info("trained the digits feature net for fd_digits (val top-1 %.1f %%), cached in %s", 100 * accuracy,
              path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    torch.save(net.state_dict(), temporary)
-    temporary.replace(path)
+    save_checkpoint(path, net.state_dict())
     return net
 
 
@@ -432,7 +440,8 @@ def sample_and_score(cfg: Any, model: nn.Module, codec: LatentCodec | None, reco
         else:  # does each sample look like its class to the digits classifier?
             metrics["class_top1"] = 100.0 * float((logits.argmax(1) == labels).mean())
         if settings.fid.save_samples:
-            np.savez(record.dir / "samples.npz", arr_0=np.concatenate([s["samples"] for s in shards]))
+            samples = np.concatenate([s["samples"] for s in shards])
+            write_atomic(record.dir / "samples.npz", lambda f: np.savez(f, arr_0=samples))
         record.log_image("samples", sampler.grid(settings.grid_classes, settings.grid_per_class), step=step,
                          epoch=epoch)
     return distributed.broadcast_object(metrics)
@@ -441,12 +450,11 @@ def sample_and_score(cfg: Any, model: nn.Module, codec: LatentCodec | None, reco
 def with_latent_cache(cfg: Any, data: Any, codec: LatentCodec) -> Any:
     """``data`` training on the cached latents of its training images (encoded first where missing)."""
     images = build_classification_data(cfg.data, cfg.seed, train_transform=dit_views(0.0)).train.dataset
-    folder, identity = cache_folder(cfg, images)
+    folder, identity = cache_folder(cfg, images, codec)
     device = resolve_device(cfg.trainer.device, distributed.info().local_rank)
-    paths = encode_dataset(images, codec.to(device), folder, identity, cfg.task.latent_cache_shard,
-                           cfg.data.eval_batch_size, device)
-    train = make_loader(CachedLatents(paths, cfg.task.hflip), cfg.data.batch_size, True, cfg.data.num_workers,
-                        cfg.seed)
+    paths = encode_dataset(images, codec.to(device), folder, identity, cfg.data.eval_batch_size, device)
+    latents = CachedLatents(paths, shard_sizes(len(images), identity["shard"]), cfg.task.hflip)
+    train = make_loader(latents, cfg.data.batch_size, True, cfg.data.num_workers, cfg.seed)
     return dataclasses.replace(data, train=train)
 
 

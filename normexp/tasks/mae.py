@@ -207,4 +207,5 @@ RANGES = {"mask_ratio": rng(above=0, below=1, type=float), "hflip": rng(0, 1, ty
           **{f"decoder.{key}": rng(1, type=int) for key in ("dim", "depth", "heads")}}
 
 register_task(Task("mae", run_mae, data=("digits", "imagenet"), metrics=metric_names, check=check_mae,
-                   backbone_weights=encoder_weights, settings=mae_settings, ranges=RANGES))
+                   backbone_weights=encoder_weights, backbone_model=lambda cfg: build_mae(cfg).encoder,
+                   settings=mae_settings, ranges=RANGES))

@@ -5,7 +5,6 @@ encoder's final norm under ``fc_norm``, as MAE's fine-tuning) go unused; any oth
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from ..engine.checkpoint import load_checkpoint
 from ..errors import UserError
 from ..models import build_backbone
 from ..tracking.records import effective_status, load_record
+from ..tracking.run_dir import resolve_source
 from . import Task, backbone_task
 
 HEAD = ("head.", "fc_norm.")  # what a classifier adds to a backbone
@@ -25,15 +25,16 @@ PARAMETRIZED = ".parametrizations."  # torch.nn.utils.parametrize's keys: <modul
 
 
 def source_run(cfg: DictConfig, task: Task) -> dict[str, Any] | None:
-    """The run ``task`` starts from (its ``starts_from`` key: a run directory, or a checkpoint file in one)
-    and how far it got: ``{key, run, status, allow_incomplete}``; None when it starts from nothing or from
-    a checkpoint outside any run's directory (no record says how far it got)."""
+    """The run ``task`` starts from (its ``starts_from`` key: a run directory, ``run:<run_id>``, or a
+    checkpoint file in a run's directory) and how far it got: ``{key, run, status, allow_incomplete}``; None
+    when it starts from nothing or from a checkpoint outside any run's directory (no record says how far it
+    got)."""
     if task.starts_from is None:
         return None
     source = OmegaConf.select(cfg, task.starts_from)
     if not source:
         return None
-    path = Path(str(source))
+    path = resolve_source(source)  # run:<run_id> too
     run_dir = path if path.is_dir() else path.parent
     if not (run_dir / "summary.json").is_file():
         return None

@@ -30,7 +30,9 @@ records and shown as ``damaged`` by tables.
     run_id:        config hash (resolved config + seed, less logger settings)
     name, task, seed
     metrics:       {"final": {...last evaluation...}, "best": {...best evaluation...}}; a diverged run keeps
-                   the last finite ones and adds "last_finite": {step, epoch, train/loss}
+                   the last finite ones and adds "last_finite": {step, epoch, train/loss}; a non-finite
+                   metric is null (strict JSON) and named in non_finite (``settle_non_finite``)
+    non_finite:    ["final.val/top1 = nan", ...], when a metric was not finite
     params:        trainable + frozen parameter count
     gmacs:         multiply-accumulates of one forward pass at the input size, in 1e9 (papers' "FLOPs")
     images_per_s:  training throughput over the run (images / second of training steps)
@@ -80,6 +82,40 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def settle_non_finite(summary: dict[str, Any]) -> list[str]:
+    """Replace every non-finite number under ``summary["metrics"]`` by null and return what it was (e.g.
+    ``final.val/top1 = nan``); a ``completed`` run that holds one is ``diverged``, as a run whose loss
+    became non-finite is (a result, with the reason in ``error`` and ``non_finite``). Records written
+    before this held such numbers as JSON's non-standard NaN / Infinity; reading them settles them too."""
+    found: list[str] = []
+
+    def settle(values: dict[str, Any], path: str) -> None:
+        for key, value in values.items():
+            if isinstance(value, dict):
+                settle(value, f"{path}{key}.")
+            elif isinstance(value, float) and not math.isfinite(value):
+                values[key] = None
+                found.append(f"{path}{key} = {value}")
+
+    metrics = summary.get("metrics")
+    if isinstance(metrics, dict):
+        settle(metrics, "")
+    if found:
+        summary["non_finite"] = [*summary.get("non_finite", []), *found]
+        if summary.get("status") == "completed":
+            summary.update(status="diverged", error=f"non-finite metric(s): {', '.join(found)}")
+    return found
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float in it as null: what strict JSON can hold."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def _strict_json(value: Any) -> Any:
     """A logged value in strict JSON: tensors and numpy numbers as Python numbers, a non-finite float as null
     (NaN) or "inf" / "-inf" (json would write NaN / Infinity, which strict JSON parsers refuse)."""
@@ -103,7 +139,8 @@ def fsync_dir(path: Path) -> None:
 def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """``path`` whole or not at all: ``write`` fills a temporary file of this writer's own in the same
     directory, which is flushed, fsync'ed and renamed over ``path`` (then the directory is fsync'ed). An
-    error removes the temporary file; a kill leaves it (``remove_stale_temporaries``)."""
+    error removes the temporary file; a kill leaves it (``remove_stale_temporaries``). A file-system error
+    that names no file (a write into a full disk) names ``path``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
@@ -112,15 +149,18 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     fsync_dir(path.parent)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    text = json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n"
+    """``obj`` as strict JSON (a non-finite float as null), atomically."""
+    text = json.dumps(_finite(obj), indent=2, sort_keys=False, default=str, allow_nan=False) + "\n"
     write_atomic(path, lambda f: f.write(text.encode()))
 
 
@@ -206,6 +246,7 @@ class RunRecord:
             "hardware": hardware(),
         }
         self._metrics: int | None = None
+        self._reached = rows[-1] if rows else {}  # the last logged row: where a non-finite metric diverged
         if not writes:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -226,6 +267,7 @@ class RunRecord:
         if self._metrics is None:
             return
         row = {k: _strict_json(v) for k, v in row.items()}
+        self._reached = row
         data = memoryview((json.dumps(row) + "\n").encode())
         try:
             while data:  # unbuffered: a failed write leaves at most part of this row, and no buffer
@@ -260,6 +302,10 @@ class RunRecord:
         self.summary.update(status=status, finished_at=attempt["finished_at"], wall_time_s=round(total, 2))
         if error:
             self.summary["error"] = error
+        if settle_non_finite(self.summary) and self.summary["status"] != status:
+            attempt.update(status=self.summary["status"], error=self.summary["error"])
+            if "step" in self._reached:  # where: the last row logged
+                self.summary["diverged"] = {k: self._reached.get(k) for k in ("step", "epoch")}
         if self._metrics is None:
             return self.summary
         try:
@@ -391,8 +437,15 @@ def _parsed(run_dir: Path, name: str, parse: Callable[[str], Any], check: Callab
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    """``summary.json``, checked (:class:`DamagedRecord` if it does not follow the schema)."""
-    return _parsed(Path(run_dir), "summary.json", json.loads, summary_problem)
+    """``summary.json``, checked (:class:`DamagedRecord` if it does not follow the schema); a non-finite
+    metric an older writer left is read as null, its run as diverged, with a warning naming the run."""
+    summary = _parsed(Path(run_dir), "summary.json", json.loads, summary_problem)
+    found = settle_non_finite(summary)
+    if found:
+        seed = f" (seed {summary['seed']})" if summary.get("seed") is not None else ""
+        log.warning("run record %s%s holds non-finite metrics (%s): read as %s", run_dir, seed,
+                    ", ".join(found), summary["status"])
+    return summary
 
 
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's: a table reads every record's

@@ -13,10 +13,12 @@ from conftest import quick_cfg, run_cli
 from omegaconf import OmegaConf
 
 from normexp.analysis import cli
-from normexp.analysis.core import ANALYSES
+from normexp.analysis.core import ANALYSES, load_run
 from normexp.engine.alpha_probe import ALPHA_KEY, STD_KEY
 from normexp.models import build_backbone
 from normexp.run import run
+from normexp.tasks.dino import build_network
+from normexp.tasks.mae import build_mae
 from normexp.tracking.provenance import config_hash
 from normexp.tracking.records import read_metrics, read_summary
 
@@ -75,6 +77,29 @@ def test_analyze_writes_every_figure_of_every_family(tmp_path, backbone, norm):
     assert not [p for p in run_dir.iterdir() if p.name.startswith(".analysis")]
 
 
+@pytest.mark.parametrize("task", ["mae", "dino"])
+def test_analyze_a_self_supervised_run_rebuilds_the_backbone_its_weights_fill(tmp_path, task):
+    """An MAE run's encoder, a DINO run's teacher backbone: headless, unlike the configured classifier."""
+    small_head = ["task.out_dim=64", "task.hidden_dim=32", "task.bottleneck_dim=16"] if task == "dino" else []
+    overrides = [f"task={task}", "norm=dyt", *small_head]
+    run_dir, cfg = fake_run(tmp_path / "run", *overrides, checkpoint=False), quick_cfg(*overrides)
+    torch.manual_seed(0)
+    if task == "mae":
+        mae = build_mae(cfg)
+        state, encoder = {"model": mae.state_dict()}, mae.encoder.state_dict()
+    else:
+        teacher = build_network(cfg, drop_path=False)
+        state = {"model": teacher.state_dict(), "task": {"teacher": teacher.state_dict()}}
+        encoder = teacher.backbone.state_dict()
+    torch.save({**state, "epoch": 1, "ema": None}, run_dir / "checkpoint.pth")
+    loaded = load_run(run_dir)
+    assert loaded.model.state_dict().keys() == encoder.keys() and "head.weight" not in encoder
+    assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in encoder.items())
+    out, summary = cli.analyze(run_dir, ["tokens"], images=2, seed=0)
+    assert summary["files"] == ["tokens.png", "tokens.json", "summary.json"]
+    assert (out / "tokens.json").is_file()
+
+
 def test_analyze_reads_the_added_slots_of_a_placement_per_head_ones_included(tmp_path):
     """HybridNorm's per-head q / k / v slots see (B * heads, N, head_dim): the io and tokens figures count
     their images, tokens and heads as the block's (8 px digits: a 4 x 4 grid, 4 heads of 24 channels)."""
@@ -128,8 +153,8 @@ def one_line_error(result) -> str:
 
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, monkeypatch):
     good = fake_run(tmp_path / "good")
-    (good / "analysis").mkdir()
-    (good / "analysis" / "keep.txt").write_text("previous analysis")
+    cli.analyze(good, ["tokens"], images=2, seed=0)
+    previous = {p.name: p.read_bytes() for p in (good / "analysis").iterdir()}
     cases = {
         "no checkpoint": (fake_run(tmp_path / "nockpt", checkpoint=False), [], "has no checkpoint.pth"),
         "diverged": (fake_run(tmp_path / "div", status="diverged"), [], "diverged (diverged at step 3"),
@@ -151,9 +176,38 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, monke
     monkeypatch.setattr(cli, "plot_tokens", broken)
     with pytest.raises(RuntimeError):
         cli.analyze(good, ["io", "tokens"], images=2, seed=0)
-    assert [p.name for p in (good / "analysis").iterdir()] == ["keep.txt"]
+    assert {p.name: p.read_bytes() for p in (good / "analysis").iterdir()} == previous
     assert not [p for p in good.iterdir() if p.name.startswith(".analysis")]
     monkeypatch.undo()
-    cli.analyze(good, ["tokens"], images=2, seed=0)  # a good analysis replaces the previous one whole
-    assert {p.name for p in (good / "analysis").iterdir()} == {"tokens.png", "tokens.json", "summary.json"}
+    cli.analyze(good, ["io"], images=2, seed=0)  # a good analysis replaces the previous one whole
+    assert {p.name for p in (good / "analysis").iterdir()} == {"io.png", "io_channels.png", "io.json",
+                                                              "io_points.csv", "summary.json"}
     shutil.rmtree(good / "analysis")
+
+
+def test_out_never_removes_a_users_directory(tmp_path, capsys, monkeypatch):
+    """``--out <existing dir>`` writes a new ``<run name>-analysis`` folder in it (``--out .`` too); a rerun
+    replaces only that analysis; a run's ``analysis/`` holding a file of the user's is refused in one line."""
+    run_dir = fake_run(tmp_path / "run")
+    thesis = tmp_path / "thesis"
+    (thesis / "sub").mkdir(parents=True)
+    (thesis / "thesis.tex").write_text("\\documentclass{article}")
+    (thesis / "sub" / "data.csv").write_text("a,b\n1,2\n")
+    for _ in range(2):  # the second time replaces the first analysis, and only it
+        cli.main([str(run_dir), "--images", "2", "--figures", "tokens", "--out", str(thesis)])
+        assert sorted(p.name for p in thesis.iterdir()) == ["run-analysis", "sub", "thesis.tex"]
+        assert {p.name for p in (thesis / "run-analysis").iterdir()} == {"tokens.png", "tokens.json",
+                                                                         "summary.json"}
+    assert (thesis / "sub" / "data.csv").read_text() == "a,b\n1,2\n"
+    monkeypatch.chdir(thesis / "sub")
+    cli.main([str(run_dir), "--images", "2", "--figures", "tokens", "--out", "."])
+    assert sorted(p.name for p in (thesis / "sub").iterdir()) == ["data.csv", "run-analysis"]
+    capsys.readouterr()
+
+    (run_dir / "analysis").mkdir()
+    (run_dir / "analysis" / "notes.md").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([str(run_dir), "--images", "2", "--figures", "tokens"])
+    assert exit_info.value.code == 2
+    assert "holds files analyze did not write" in one_line_error(capsys.readouterr())
+    assert [p.name for p in (run_dir / "analysis").iterdir()] == ["notes.md"]

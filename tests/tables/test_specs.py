@@ -10,6 +10,8 @@ import fnmatch
 
 import pytest
 
+from normexp.errors import UserError
+from normexp.tables import cli
 from normexp.tables.plan import hydra_composer, plan_table
 from normexp.tables.spec import get_path, list_scales, list_tables, load_scale, load_table
 
@@ -235,6 +237,21 @@ def test_a_scale_extends_another(tmp_path):
     assert scale.apply(["backbone=vit_small"], "classification") == ["backbone=vit_tiny", "trainer.epochs=30"]
     assert scale.apply(["backbone=vit_base"], "classification") == ["backbone=vit_micro", "trainer.epochs=30"]
     assert scale.apply(["experiment=dit_imagenet"], "dit") == smoke.apply(["experiment=dit_imagenet"], "dit")
+
+
+@pytest.mark.parametrize("seeds, says", [("0,0,1", "--seeds 0,0,1 repeats seed(s) 0: a seed is one run"),
+                                         ("a", "--seeds takes comma-separated integers, e.g. 0,1,2; got")])
+def test_seeds_are_distinct_integers_or_one_line(capsys, tmp_path, seeds, says):
+    """A repeated seed is the same run counted again (``10.28 ± 0.00 (3)`` from one run): refused, as is a
+    seed that is not a number, before anything is planned; a scale's seeds too."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["render", "dyt_squash", "--seeds", seeds, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith(f"error: {says}") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "twice.yaml").write_text("seeds: [1, 1]\n")
+    with pytest.raises(UserError, match="seeds 1,1 repeats seed"):
+        load_scale(str(tmp_path / "twice.yaml"))
 
 
 def test_table_runs_are_named_after_the_rows_they_serve(plans):

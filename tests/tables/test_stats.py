@@ -191,3 +191,24 @@ def test_smoke_says_it_is_a_wiring_check(tmp_path):
     plan = fabricated_plan(tmp_path)
     plan.scale = Scale("smoke", "a test scale", (0,), {}, {}, caption="A wiring check: not evidence.")
     assert "\n\nA wiring check: not evidence.\n\n" in to_markdown(aggregate(plan))
+
+
+def test_a_method_that_diverged_on_a_backbone_ranks_last_there_and_loses(tmp_path):
+    """Divergence is a result: DyT diverging on every seed of ViT-B is not left out of the summary (which
+    read P(beats LN) = 0.83 from ViT-A alone) but ranks last there and loses each seed's comparison."""
+    runs = {k: {"status": "completed", "metrics": {"final": {"val/top1": v}}} for k, v in RUNS.items()}
+    runs |= {("vit_b", "dyt", s): {"status": "diverged", "diverged": {"step": 5 + s}, "metrics": {}}
+             for s in (0, 1, 2)}
+    result = aggregate(fabricated_plan(tmp_path, SPEC, runs))
+    (across,) = across_strata(result)
+    ln, dyt = across.methods
+    assert dyt.compared == 2 and dyt.strata == 2 and dyt.diverged == 3 and ln.diverged == 0
+    assert dyt.improvement.estimate == pytest.approx((2.5 / 3 + 0) / 2)
+    assert dyt.rank.estimate == pytest.approx(1.5) and ln.rank.estimate == pytest.approx(1.5)
+    md = to_markdown(result)
+    assert f"| DyT | 1.50 [{dyt.rank.low:.2f}, {dyt.rank.high:.2f}] (2; 3 diverged) |" in md
+    assert "A diverged run is a result, the worst: it ranks last in its Model" in md
+    rows = list(csv.DictReader(io.StringIO(across_csv(result, [across]))))
+    assert [r["diverged_runs"] for r in rows] == ["0", "3"]
+    (tmp_path / "all").mkdir()
+    assert "diverged run is a result, the worst" not in to_markdown(seeded(tmp_path / "all"))

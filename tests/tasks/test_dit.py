@@ -21,7 +21,7 @@ from normexp.data.loaders import default_cache_dir
 from normexp.errors import UserError
 from normexp.metrics.fid import frechet_distance, inception_score, load_reference, statistics
 from normexp.models import build_backbone
-from normexp.models.features import DigitsFeatures, as_uint8
+from normexp.models.features import DigitsFeatures, InceptionFeatures, as_uint8
 from normexp.models.vae import LatentCodec, random_sd_vae
 from normexp.run import run
 from normexp.tasks import dit as dit_task
@@ -179,7 +179,7 @@ def test_reference_statistics_of_another_resolution_or_size_are_one_line(tmp_pat
     with pytest.raises(UserError, match="are of 64 px images, the samples of 256 px") as error:
         load_reference(adm, 256, 2048)
     assert "\n" not in str(error.value)
-    with pytest.raises(UserError, match="have 2048 features, ours 64"):
+    with pytest.raises(UserError, match=r"mu has shape \(2048,\) and sigma \(2048, 2048\), ours \(64,\)"):
         load_reference(adm, 64, 64)
     np.savez(tmp_path / "other.npz", x=np.zeros(3))
     with pytest.raises(UserError, match="not reference statistics"):
@@ -247,6 +247,7 @@ def test_a_latent_run_denoises_the_vaes_latents_from_a_cache_encoded_once(tmp_pa
      "task.fid.inception_weights=/nowhere/w.pth does not exist"),
     (["data.num_classes=5"], "data.num_classes=5, but data=digits has 10 classes"),
     (["task.sampling_steps=2000"], "task.sampling_steps=2000: cannot take 2000 steps"),
+    (["task.sampling_steps=0"], "task.sampling_steps=0: '0' keeps no steps"),
     (["backbone=vit_micro"], "backbone=vit_micro is a model of kind 'image'"),
     (["task.vae=/nowhere/vae", "data.img_size=12"], "data.img_size=12: the VAE needs a multiple of 8"),
     (["task.checkpoint=/nowhere/run"], "no checkpoint at"),
@@ -267,4 +268,67 @@ def test_a_reference_of_the_wrong_resolution_stops_before_training(tmp_path):
         cfg.trainer.epochs = 1
     with pytest.raises(UserError, match="are of 32 px images, the samples of 8 px"):
         run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+class RunsCodeWhenUnpickled:
+    """A pickle's side effect: unpickling it creates ``marker`` (what a hostile weights file does)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def inception_layout() -> dict[str, torch.Tensor]:
+    """Zeros in the layout of torch-fidelity's Inception-v3 (no download: its loading is skipped)."""
+    from unittest import mock
+
+    from torch_fidelity import feature_extractor_inceptionv3 as fidelity
+
+    with mock.patch.object(torch.nn.Module, "load_state_dict"), \
+            mock.patch.object(fidelity, "load_state_dict_from_url"), torch.device("meta"):
+        net = fidelity.FeatureExtractorInceptionV3("inception-v3-compat", ["2048"])
+    return {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in net.state_dict().items()}
+
+
+def test_inception_weights_are_read_as_tensors_and_checked_before_training(tmp_path):
+    """A pickle with a side effect never runs; a file of other tensors is one line; Inception's layout
+    builds the extractor from our safe read."""
+    marker, hostile = tmp_path / "ran", tmp_path / "hostile.pth"
+    torch.save({"fc.weight": RunsCodeWhenUnpickled(marker)}, hostile)
+    other = tmp_path / "other.pth"
+    torch.save({"weight": torch.zeros(3)}, other)
+    for weights in (hostile, other):
+        with pytest.raises(UserError) as error:
+            run(dit_cfg("task.fid.features=inception", f"task.fid.inception_weights={weights}"),
+                tmp_path / "run")
+        assert f"inception_weights={weights} is not torch-fidelity's Inception-v3 weights" in str(error.value)
+        assert "weights_only" not in str(error.value)  # torch's advice to unpickle it anyway
+        assert "\n" not in str(error.value) and not (tmp_path / "run").exists()
+    assert not marker.exists()
+    genuine = tmp_path / "inception.pth"
+    layout = inception_layout()
+    layout["fc.bias"] += 1
+    torch.save(layout, genuine)
+    extractor = InceptionFeatures(str(genuine))
+    assert torch.equal(extractor.net.fc.bias, layout["fc.bias"]) and not marker.exists()
+
+
+@pytest.mark.parametrize("defect,mu,sigma,message", [
+    ("nan", np.full(64, np.nan), np.eye(64), "they hold NaN or infinite values"),
+    ("inf", np.zeros(64), np.diag(np.full(64, np.inf)), "they hold NaN or infinite values"),
+    ("shape", np.zeros(64), np.eye(63), "mu has shape (64,) and sigma (63, 63), ours (64,) and (64, 64)"),
+    ("asymmetric", np.zeros(64), np.eye(64) + np.triu(np.ones((64, 64)), 1), "sigma is not symmetric"),
+    ("negative", np.zeros(64), -np.eye(64), "sigma has a negative eigenvalue, -1"),
+])
+def test_a_reference_that_is_no_mean_and_covariance_stops_before_training(tmp_path, defect, mu, sigma,
+                                                                          message):
+    reference = tmp_path / f"{defect}.npz"
+    np.savez(reference, mu=mu, sigma=sigma, resolution=8)
+    with pytest.raises(UserError) as error:
+        run(dit_cfg(f"task.fid.reference={reference}"), tmp_path / "run")
+    assert f"reference statistics {reference} are no mean and covariance of 64 features ({message})" \
+        in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "run").exists()
