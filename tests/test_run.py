@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
@@ -252,6 +253,25 @@ def test_fine_tuning_with_this_configs_norm_converts_the_starting_runs(tmp_path,
         assert "blocks.0.norm1.weight" in converted["fresh"]
         assert torch.allclose(model.blocks[0].attn.qkv.weight, trained.blocks[0].attn.qkv.weight)
         assert torch.equal(model.blocks[0].norm1.weight, torch.ones(96))
+
+
+def test_a_fine_tuning_from_a_run_link_records_what_its_source_reached(completed, tmp_path, monkeypatch):
+    """task.pretrained=run:<run_id> (a chained table's link) is found under the output root, and the record
+    keeps the source's final evaluation as a path's does."""
+    from normexp.models import build_backbone
+    from normexp.tasks import prepare_config
+    from normexp.tasks.classification import start_from
+    from normexp.tracking.records import RunRecord
+    from normexp.tracking.run_dir import run_dir
+
+    source = read_summary(completed)
+    located = run_dir(yaml.safe_load((completed / "config.yaml").read_text()), tmp_path / "root")
+    shutil.copytree(completed, located)
+    monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path / "root"))
+    cfg = prepare_config(quick_cfg(f"task.pretrained=run:{source['run_id']}"))
+    record = RunRecord(tmp_path / "run", {}, writes=False)
+    start_from(build_backbone(cfg.backbone, cfg.norm), cfg, record)
+    assert record.summary["pretrained"]["final"] == source["metrics"]["final"] != {}
 
 
 def test_weights_that_do_not_fit_are_refused_before_the_record_exists(completed, tmp_path):

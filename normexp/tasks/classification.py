@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from ..errors import UserError
 from ..models import build_backbone
 from ..models.stats import count_gmacs, count_params
 from ..tracking.records import RunRecord, read_summary
+from ..tracking.run_dir import resolve_source
 from . import Task, backbone_task, evaluated, register_task
 from .pretrained import (
     HEAD,
@@ -143,8 +143,9 @@ def start_from(model: nn.Module, cfg: Any, record: RunRecord) -> None:
     source = cfg.task.get("pretrained")
     if source:
         report = load_pretrained(model, cfg)
-        reached = read_summary(source)["metrics"].get("final", {}) \
-            if (Path(source) / "summary.json").is_file() else {}  # the starting run's final evaluation
+        directory = resolve_source(source)  # a run directory, run:<run_id>, or a checkpoint file
+        reached = read_summary(directory)["metrics"].get("final", {}) \
+            if (directory / "summary.json").is_file() else {}  # the starting run's final evaluation
         record.update(pretrained={**report, "final": reached})
         log.info("backbone weights: the %s weights of %s (%s run); afresh: %s; unused: %s", report["weights"],
                  source, report["task"], ", ".join(report["fresh"]) or "none",
