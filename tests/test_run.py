@@ -280,3 +280,6 @@ def test_weights_that_do_not_fit_are_refused_before_the_record_exists(completed,
     with pytest.raises(UserError, match="does not match the backbone ViT: unexpected"):
         run(quick_cfg(f"task.pretrained={completed}", "+backbone.depth=4"), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+    with pytest.raises(UserError, match="need a linear classifier 'head'; ConvNeXt has none"):
+        run(quick_cfg("backbone=convnext_micro", "task.linear_probe=true"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -85,17 +85,23 @@ class ClassificationTrainer(Trainer):
 
 def check_classification(cfg: Any) -> None:
     """Before any work: the settings of the corruption evaluation after training, when it is on; the
-    starting run's weights against the model they go into (built on the meta device), so that a mismatch is
-    refused before the run's record exists."""
+    starting run's weights against the model they go into and the classifier ``task.head_init_std`` and
+    ``task.linear_probe`` act on (built on the meta device), so that a mismatch is refused before the run's
+    record exists."""
     settings = cfg.task.get("robustness")
     if settings is not None and settings.enabled:
         if settings.ema and not cfg.trainer.ema.enabled:
             raise UserError("task.robustness.ema=true needs trainer.ema.enabled=true")
         check_robustness_settings(settings, cfg.data)
-    if cfg.task.get("pretrained"):
+    needs_head = cfg.task.head_init_std or cfg.task.linear_probe
+    if cfg.task.get("pretrained") or needs_head:
         prepared = with_pretrained_model(cfg)
         with torch.device("meta"):
-            load_pretrained(build_backbone(prepared.backbone, prepared.norm), prepared)
+            model = build_backbone(prepared.backbone, prepared.norm)
+            if cfg.task.get("pretrained"):
+                load_pretrained(model, prepared)
+        if needs_head:
+            linear_head(model)
 
 
 def with_pretrained_model(cfg: DictConfig) -> DictConfig:
@@ -137,6 +143,15 @@ def load_pretrained(model: nn.Module, cfg: Any) -> dict[str, Any]:
     return {"run": str(source), "task": task, "weights": which, **report, **converted}
 
 
+def linear_head(model: nn.Module) -> nn.Linear:
+    """The classifier ``task.head_init_std`` and ``task.linear_probe`` act on."""
+    head = getattr(model, "head", None)
+    if not isinstance(head, nn.Linear):
+        raise UserError(f"task.head_init_std / task.linear_probe need a linear classifier 'head'; "
+                        f"{type(model).__name__} has none")
+    return head
+
+
 def start_from(model: nn.Module, cfg: Any, record: RunRecord) -> None:
     """``task.pretrained``'s backbone weights into ``model``, ``task.head_init_std``, and for
     ``task.linear_probe`` a frozen backbone under a batch-normalised linear head."""
@@ -152,10 +167,7 @@ def start_from(model: nn.Module, cfg: Any, record: RunRecord) -> None:
                  ", ".join(report["dropped"]) or "none")
     if not (cfg.task.head_init_std or cfg.task.linear_probe):
         return
-    head = getattr(model, "head", None)
-    if not isinstance(head, nn.Linear):
-        raise UserError(f"task.head_init_std / task.linear_probe need a linear classifier 'head'; "
-                        f"{type(model).__name__} has none")
+    head = linear_head(model)
     if cfg.task.head_init_std:  # a parametrized head (norm.convert_classifier) is initialised at its source,
         # and a parametrization that read the old weight (sigma-Reparam's gamma and u) restarts from the new
         parametrized = parametrize.is_parametrized(head, "weight")
