@@ -69,16 +69,26 @@ class DetectionTrainer(Trainer):
         return distributed.broadcast_object(metrics)
 
 
-def check_detection(cfg: Any) -> None:
-    """Before any work: a detector torchvision builds."""
+def check_detector(cfg: Any) -> None:
+    """A detector torchvision builds."""
     if cfg.task.detector not in DETECTORS:
         raise UserError(f"unknown task.detector '{cfg.task.detector}'; available: {', '.join(DETECTORS)}")
+
+
+def check_detection(cfg: Any) -> None:
+    """Before any work: the detector, and the starting run's weights against the dense backbone they go into
+    (built on the meta device), so that a mismatch is refused before the run's record exists."""
+    check_detector(cfg)
+    if cfg.task.get("pretrained"):
+        prepared = with_pretrained_backbone(cfg)
+        with torch.device("meta"):
+            load_backbone_weights(build_backbone(prepared.backbone, prepared.norm, dense=True), prepared)
 
 
 def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
     """The config with the pretrained run's backbone and norm, at its classification geometry; this run's
     ``drop_path_rate`` and ``dense`` settings stay."""
-    check_detection(cfg)
+    check_detector(cfg)
     if not cfg.task.get("pretrained"):
         return cfg
     trained = checkpoint_run_config(cfg.task.pretrained)
@@ -112,13 +122,20 @@ def _shipped_backbone(name: str) -> dict[str, Any]:
         return OmegaConf.to_container(compose(config_name=f"backbone/{name}").backbone)
 
 
+def load_backbone_weights(body: nn.Module, cfg: Any) -> str:
+    """``task.pretrained``'s weights into the dense backbone ``body`` (on the meta device: checked only);
+    returns which of its models they are."""
+    weights, which, _ = starting_weights(cfg.task.pretrained)
+    fresh = (*getattr(body, "dense_weights", ()), *HEAD)  # only in a dense build; a classifier head: kept
+    load_starting_weights(body, weights, cfg.task.pretrained, fresh=fresh)
+    return which
+
+
 def build_detection_model(cfg: Any, num_classes: int, record: RunRecord | None = None) -> nn.Module:
     body = build_backbone(cfg.backbone, cfg.norm, dense=True)
     options = cfg.task.get(cfg.task.detector)  # further torchvision arguments of this detector
     if cfg.task.pretrained:
-        weights, which, _ = starting_weights(cfg.task.pretrained)
-        fresh = (*getattr(body, "dense_weights", ()), *HEAD)  # only in a dense build; a classifier head: kept
-        load_starting_weights(body, weights, cfg.task.pretrained, fresh=fresh)
+        which = load_backbone_weights(body, cfg)
         log.info("backbone weights: the %s model of %s", which, cfg.task.pretrained)
         if record is not None:
             record.update(pretrained_weights=which)

@@ -118,8 +118,8 @@ def test_the_backbone_starts_from_the_weights_its_classification_run_reports(tmp
 
 
 def test_pretrained_backbone_that_does_not_match_is_one_line(tmp_path):
-    run, _ = pretrained_run(tmp_path)
-    state = torch.load(run / "checkpoint.pth", weights_only=False)
+    source, _ = pretrained_run(tmp_path)
+    state = torch.load(source / "checkpoint.pth", weights_only=False)
     state["model"].pop(next(iter(state["model"])))
     bare = tmp_path / "bare.pth"
     torch.save({"model": state["model"]}, bare)  # a file without a config: the configured backbone is used
@@ -131,6 +131,10 @@ def test_pretrained_backbone_that_does_not_match_is_one_line(tmp_path):
     cfg = with_pretrained_backbone(detection_cfg(f"task.pretrained={bare}", "backbone=swin_micro"))
     with pytest.raises(UserError, match="does not match the backbone"):
         build_detection_model(cfg, 11)
+    with pytest.raises(UserError, match="does not match the backbone .*missing"):  # before the record exists
+        run(detection_cfg(f"task.pretrained={bare}", "backbone=pvt_v2_micro", "logger=none"),
+            tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_demo_command_line_records_coco_metrics(tmp_path):
