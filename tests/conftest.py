@@ -66,6 +66,25 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
+def interrupted_in_epoch_2(cfg: DictConfig, directory: Path | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run(cfg, directory)`` stopped as a Ctrl-C would stop it when its second epoch begins (after the first
+    epoch's checkpoint); the trainer is whole again afterwards."""
+    from normexp.engine.trainer import Trainer
+    from normexp.run import run
+
+    whole_epoch = Trainer.train_one_epoch
+
+    def stopped_in_epoch_2(self, epoch: int) -> Any:
+        if epoch == 1:
+            raise KeyboardInterrupt("stopped")
+        return whole_epoch(self, epoch)
+
+    monkeypatch.setattr(Trainer, "train_one_epoch", stopped_in_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, directory)
+    monkeypatch.setattr(Trainer, "train_one_epoch", whole_epoch)
+
+
 @pytest.fixture(scope="session")
 def completed(tmp_path_factory) -> Path:
     """A completed one-epoch run of ``quick_cfg()`` (config, summary, metrics, checkpoint): copy, then use."""

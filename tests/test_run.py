@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import quick_cfg
+from conftest import interrupted_in_epoch_2, quick_cfg
 from omegaconf import OmegaConf
 
 from normexp.errors import UserError
@@ -160,21 +160,9 @@ def test_failed_run_is_recorded_as_failed(run_dir):
 def test_resume_after_a_crash_continues_exactly(trained, tmp_path, monkeypatch):
     """Crashed in its second epoch, resumed from the first epoch's checkpoint (model, optimizer, schedule,
     EMA, RNG): the same final metrics as the uninterrupted run."""
-    from normexp.engine.trainer import Trainer
-
     _, uninterrupted, _ = trained
-    real_epoch = Trainer.train_one_epoch
-
-    def crash_in_epoch_2(self, epoch):
-        if epoch == 1:
-            raise KeyboardInterrupt("preempted")
-        return real_epoch(self, epoch)
-
-    monkeypatch.setattr(Trainer, "train_one_epoch", crash_in_epoch_2)
-    with pytest.raises(KeyboardInterrupt):
-        run(quick_cfg(*EMA_REPORTED, epochs=2), tmp_path / "crashed")
+    interrupted_in_epoch_2(quick_cfg(*EMA_REPORTED, epochs=2), tmp_path / "crashed", monkeypatch)
     assert read_summary(tmp_path / "crashed")["status"] == "interrupted"
-    monkeypatch.setattr(Trainer, "train_one_epoch", real_epoch)
     resumed = run(quick_cfg(*EMA_REPORTED, f"trainer.resume={tmp_path / 'crashed'}", epochs=2),
                   tmp_path / "resumed")
     assert [r["epoch"] for r in read_metrics(tmp_path / "resumed") if "val/top1" in r] == [2]

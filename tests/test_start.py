@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import compose_cfg, quick_cfg
+from conftest import compose_cfg, interrupted_in_epoch_2, quick_cfg
 from omegaconf import OmegaConf
 
 from normexp.engine.trainer import Trainer
@@ -112,24 +112,14 @@ def test_the_same_command_continues_its_unfinished_run_and_appends(tmp_path, mon
     """An interrupted run is continued in its own directory (its identity names it); its log is appended,
     not rewritten; the temporary files a killed writer left are removed."""
     monkeypatch.setenv("NORMEXP_OUTPUT_DIR", str(tmp_path))
-    real_epoch = Trainer.train_one_epoch
-
-    def crash_in_epoch_2(self, epoch):
-        if epoch == 1:
-            raise KeyboardInterrupt
-        return real_epoch(self, epoch)
-
-    monkeypatch.setattr(Trainer, "train_one_epoch", crash_in_epoch_2)
     first = run_dir(OmegaConf.to_container(quick_cfg(epochs=2), resolve=True))
     assert first.parent == tmp_path / "classification"
-    with pytest.raises(KeyboardInterrupt):
-        run(quick_cfg(epochs=2))
+    interrupted_in_epoch_2(quick_cfg(epochs=2), None, monkeypatch)
     assert read_summary(first)["status"] == "interrupted"
     logged = (first / "metrics.jsonl").read_bytes()
     stale = [first / ".summary.json.12345.0badc0de.tmp", first / "checkpoint.pth.tmp"]
     for path in stale:
         path.write_text("half written")
-    monkeypatch.setattr(Trainer, "train_one_epoch", real_epoch)
 
     summary = run(quick_cfg(epochs=2))
     assert summary["status"] == "completed" and read_summary(first)["status"] == "completed"

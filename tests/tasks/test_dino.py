@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import CONFIG_DIR, quick_cfg
+from conftest import CONFIG_DIR, interrupted_in_epoch_2, quick_cfg
 from process_workers import dino_center_of
 
 from normexp.engine.checkpoint import load_checkpoint
@@ -336,21 +336,9 @@ def test_the_centre_is_the_same_on_one_and_two_processes(tmp_path):
 def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatch):
     """Issue 47 (19): resumed from the first epoch's checkpoint, the run goes on as if never stopped -- the
     weight-decay schedule included, which reached the optimizer's groups of before the resume only."""
-    from normexp.engine.trainer import Trainer
-
     quick = ("trainer.eval_interval=2",)  # the k-NN monitor once, at the end
     uninterrupted = run(dino_cfg(*quick, epochs=2), tmp_path / "whole")
-    real_epoch = Trainer.train_one_epoch
-
-    def stopped_in_epoch_2(self, epoch):
-        if epoch == 1:
-            raise KeyboardInterrupt("killed")
-        return real_epoch(self, epoch)
-
-    monkeypatch.setattr(Trainer, "train_one_epoch", stopped_in_epoch_2)
-    with pytest.raises(KeyboardInterrupt):
-        run(dino_cfg(*quick, epochs=2), tmp_path / "stopped")
-    monkeypatch.setattr(Trainer, "train_one_epoch", real_epoch)
+    interrupted_in_epoch_2(dino_cfg(*quick, epochs=2), tmp_path / "stopped", monkeypatch)
     resumed = run(dino_cfg(*quick, f"trainer.resume={tmp_path / 'stopped'}", epochs=2),
                   tmp_path / "resumed")
     assert resumed["metrics"]["final"] == uninterrupted["metrics"]["final"]
