@@ -85,7 +85,7 @@ dashboard: install
 
 # ViT-S/B token shapes at batch 8; whole ViT-S steps (batch 8, 224 px) with the references; ~10 min on 2 cores
 bench: install
-	$(PY) scripts/bench_norms.py --batch 8 --rounds 3 --repeats 10 --out results/bench/norms.md
+	$(PY) scripts/bench_norms.py --batch 8 --shapes vit_s --rounds 3 --repeats 10 --out results/bench/norms.md
 	$(PY) scripts/bench_train.py --backbone vit_small --norms ln dyt dtn --batch 8 --warmup 2 --steps 2 \
 		--rounds 3 --trainer-steps 3 --out results/bench/train.md
 	$(PY) scripts/bench_pretrain.py --backbone vit_base --norms ln dyt dtn --batch 4 --local-crops 10 \

@@ -15,12 +15,16 @@ spell of a shared machine hits all of them; the median over rounds):
     unique storages, parameters and buffers excluded, the input included); device independent;
   - ``peak`` (CUDA only): ``torch.cuda.max_memory_allocated`` during forward+backward minus the memory
     allocated before it (input, output gradient, parameters);
-* ratios to LN and to the floor measured in the same run, and the project's target (DyT forward+backward
-  <= 1.0x LN at the ViT-B token shape; the DyT paper's Table 15 finds DyT as fast as a fused norm).
+* ratios to LN and to the floor measured in the same run, and the project's targets (``TARGETS``; issue 48:
+  at ViT-S tokens DyT and RMS <= 1.0x LN, every point-wise function <= 1.5x LN with at most LN's saved
+  memory; the DyT paper's Table 15 finds DyT as fast as a fused norm).
 
-``-plain`` rows are the same normalizer with ``kernels=autograd`` (plain ops, autograd's backward), to show
-what the fused kernels of the default rows buy. PowerNorm is timed after its warm-up (``warmup_iters=0``):
-the steady state of a long run.
+Rows: every registered normalizer (the registry, not a hand list) with its defaults; a family of functions
+(``norm=pointwise``) one row per ``fn`` (``pointwise-<fn>``); ``-plain`` rows are the same normalizer with
+``kernels=autograd`` (plain ops, autograd's backward), to show what the fused kernels of the default rows buy.
+PowerNorm is timed after its warm-up (``warmup_iters=0``): the steady state of a long run. The
+normalization-free methods (``none``, ``skipinit``, ``fixup``, ``sigma_reparam``) put the identity in the norm
+slot and have no layer to time: the tables name them, and ``scripts/bench_train.py`` times their models.
 
     python scripts/bench_norms.py --batch 64 --threads 2
 """
@@ -28,6 +32,7 @@ the steady state of a long run.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 import platform
 import statistics
@@ -42,22 +47,57 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from normexp.norms import TokenLayout, kernels, list_norms, norm_layer_factory  # noqa: E402
+from normexp.norms import TokenLayout, get_norm_class, kernels, list_norms, norm_layer_factory  # noqa: E402
 from normexp.norms.kernels import compiler_available  # noqa: E402
+from normexp.norms.normfree import NoNorm  # noqa: E402
+from normexp.norms.registry import hyperparameters  # noqa: E402
 
 kernels.COMPILE_AFTER_CALLS = 0  # the steady state of a long run: fused kernels from the first call
 
 SHAPES = {"vit_s": (384, 6), "vit_b": (768, 12)}  # (C, heads); grid 14x14 + 1 class token
 # (shape, max forward+backward time ratio to LN)
-TARGETS = {"dyt": ("vit_b", 1.0)}
-# row name -> (registered normalizer, hyper-parameters)
+# (row pattern, shape) -> (max forward+backward time x LN, max saved memory x LN or None)
+TARGETS = {("dyt", "vit_s"): (1.0, 1.0), ("dyt", "vit_b"): (1.0, None), ("rms", "vit_s"): (1.0, None),
+           ("derf", "vit_s"): (1.5, 1.0), ("pointwise-*", "vit_s"): (1.5, 1.0)}
+# a family of normalizers behind one name: one row per choice of this hyper-parameter
+FAMILIES = {"pointwise": "fn"}
+# row name -> (registered normalizer, hyper-parameters), beside the registered names and the families' rows
 VARIANTS = {
     "power": ("power", {"warmup_iters": 0}),  # steady state, see module docstring
     "dtn-dense": ("dtn", {"separable": False}),  # the official dense [H, T, T] position matrix
-    "dyt-plain": ("dyt", {"kernels": "autograd"}),
-    "dtn-plain": ("dtn", {"kernels": "autograd"}),
 }
 FLOOR = "floor"
+
+
+def family_rows() -> dict[str, tuple[str, dict]]:
+    """``<norm>-<choice>`` -> (norm, {option: choice}) for every choice of every family's option."""
+    rows = {}
+    for norm, option in FAMILIES.items():
+        (param,) = [p for p in hyperparameters(norm) or [] if p.name == option]
+        rows.update({f"{norm}-{choice}": (norm, {option: choice}) for choice in param.checks["choices"]})
+    return rows
+
+
+def identity_norms() -> list[str]:
+    """Registered normalizers that put the identity in the slot (their method acts on the model)."""
+    return [n for n in list_norms() if issubclass(get_norm_class(n), NoNorm)]
+
+
+def plain_rows() -> dict[str, tuple[str, dict]]:
+    """``<norm>-plain`` -> (norm, {"kernels": "autograd"}) for every normalizer with fused kernels."""
+    return {f"{n}-plain": (n, {"kernels": "autograd"}) for n in list_norms()
+            if any(p.name == "kernels" for p in hyperparameters(n) or [])}
+
+
+def row_definitions() -> dict[str, tuple[str, dict]]:
+    """Every row name beyond a registered normalizer's own -> (normalizer, hyper-parameters)."""
+    return {**family_rows(), **plain_rows(), **VARIANTS}
+
+
+def default_rows() -> list[str]:
+    """Every registered normalizer with a layer to time, a family as its members, and the variants."""
+    names = {*list_norms(), *row_definitions()} - {*FAMILIES, *identity_norms()}
+    return sorted(names)
 
 
 @dataclass
@@ -122,19 +162,20 @@ class Floor(nn.Module):
         return self.fn(x, self.scale)
 
 
+def build_row(name: str, dim: int, heads: int) -> nn.Module:
+    """The row's normalizer as a ViT builds it for tokens of a 14x14 grid + 1 class token."""
+    norm, hparams = row_definitions().get(name, (name, {}))
+    layout = TokenLayout(grid=(14, 14), num_prefix_tokens=1)
+    build = norm_layer_factory(norm, **hparams)
+    return build(dim, data_format="channels_last", num_heads=heads, layout=layout, num_prefix_tokens=1)
+
+
 class Bench:
     """One normalizer at one shape: its module, input and output gradient, and its timings."""
 
     def __init__(self, name: str, dim: int, heads: int, batch: int, device: torch.device, dtype: torch.dtype,
                  compiled_floor: bool) -> None:
-        if name == FLOOR:
-            module = Floor(compiled_floor)
-        else:
-            layout = TokenLayout(grid=(14, 14), num_prefix_tokens=1)
-            norm, hparams = VARIANTS.get(name, (name, {}))
-            build = norm_layer_factory(norm, **hparams)
-            module = build(dim, data_format="channels_last", num_heads=heads, layout=layout,
-                           num_prefix_tokens=1)
+        module = Floor(compiled_floor) if name == FLOOR else build_row(name, dim, heads)
         self.module = module.to(device=device, dtype=dtype).train()
         gen = torch.Generator(device="cpu").manual_seed(0)
         self.x = torch.randn(batch, 1 + 14 * 14, dim, generator=gen).to(device, dtype).requires_grad_()
@@ -169,21 +210,29 @@ class Bench:
 
 
 def cpu_name() -> str:
-    """The CPU model and logical CPU count (from /proc/cpuinfo where there is one)."""
-    name = platform.processor() or platform.machine()
+    """The CPU model, its physical cores and logical CPUs (from /proc/cpuinfo where there is one)."""
+    name, cores = platform.processor() or platform.machine(), ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                  if line.startswith("model name")]
-        name = models[0] if models else name
-    return f"{name}, {os.cpu_count()} logical CPUs"
+        processors = [dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+                      for block in cpuinfo.read_text().split("\n\n") if block.strip()]
+        fields = [{k.strip(): v.strip() for k, v in p.items()} for p in processors]
+        name = fields[0].get("model name", name) if fields else name
+        physical = {(f.get("physical id"), f.get("core id")) for f in fields if "core id" in f}
+        cores = f"{len(physical)} cores, " if physical else ""
+    return f"{name}, {cores}{os.cpu_count()} logical CPUs"
 
 
-def verdict(name: str, shape: str, ratio: float) -> str:
-    if name not in TARGETS or TARGETS[name][0] != shape:
-        return ""
-    target = TARGETS[name][1]
-    return f"{'pass' if ratio <= target else 'FAIL'} (<={target}x LN)"
+def verdict(name: str, shape: str, time_ratio: float, memory_ratio: float) -> str:
+    """The row's targets at this shape, each marked pass or FAIL ('' where it has none)."""
+    marks = []
+    for (pattern, target_shape), (max_time, max_memory) in TARGETS.items():
+        if target_shape != shape or not fnmatch.fnmatchcase(name, pattern):
+            continue
+        marks.append(f"{'pass' if time_ratio <= max_time else 'FAIL'} (time <={max_time}x LN)")
+        if max_memory is not None:
+            marks.append(f"{'pass' if memory_ratio <= max_memory else 'FAIL'} (memory <={max_memory}x LN)")
+    return ", ".join(marks)
 
 
 def main() -> None:
@@ -192,7 +241,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--norms", nargs="+", default=None,
-                        help=f"normalizers (default: all registered + {', '.join(VARIANTS)})")
+                        help=f"rows (default: every registered normalizer, {', '.join(FAMILIES)} one row per "
+                        f"{', '.join(FAMILIES.values())}, <norm>-plain where it has fused kernels, and "
+                        f"{', '.join(VARIANTS)})")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--warmup", type=int, default=3)
@@ -202,10 +253,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the tables to this markdown file")
     args = parser.parse_args()
 
+    start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    norms = args.norms or sorted([*list_norms(), *VARIANTS])
+    norms = args.norms or default_rows()
     norms = ["ln", *[n for n in norms if n not in ("ln", FLOOR)], FLOOR]
     compiled_floor = compiler_available(device.type)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
@@ -219,7 +271,9 @@ def main() -> None:
              f"- command: `{' '.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}`",
              f"- device={device} dtype={args.dtype} batch={args.batch}; warm-up {args.warmup}, {args.rounds} "
              f"interleaved rounds of {args.repeats} repeats, median",
-             f"- floor: {floor}", f"- memory: {mem_method}", ""]
+             f"- floor: {floor}", f"- memory: {mem_method}",
+             f"- no layer to time (the identity in the norm slot; their cost is in the model, "
+             f"scripts/bench_train.py): {', '.join(identity_norms())}", ""]
     print("\n".join(lines), flush=True)
     for shape in args.shapes:
         dim, heads = SHAPES[shape]
@@ -233,6 +287,8 @@ def main() -> None:
         ln, fl = results["ln"], results[FLOOR]
         cuda = device.type == "cuda"
         table = [f"### {shape}: tokens ({args.batch}, 197, {dim}), {heads} heads, grid 14x14 + 1 prefix", "",
+                 f"{machine}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+                 f"{args.dtype}", "",
                  "| norm | fwd ms | fwd+bwd ms | x LN | x floor | saved MB | x LN |"
                  + (" peak MB | x LN |" if cuda else "") + " target |",
                  "|---" * (8 + 2 * cuda) + "|"]
@@ -243,12 +299,14 @@ def main() -> None:
                     f"{r.saved_mb:.1f} | {r.saved_mb / ln.saved_mb:.2f} |")
             if cuda:
                 line += f" {r.peak_mb:.1f} | {r.peak_mb / ln.peak_mb:.2f} |"
-            table.append(f"{line} {verdict(name, shape, t_ratio)} |")
+            table.append(f"{line} {verdict(name, shape, t_ratio, r.saved_mb / ln.saved_mb)} |")
         print("\n".join(table) + "\n", flush=True)
         lines += [*table, ""]
+    lines.append(f"Whole run: {time.perf_counter() - start:.0f} s (compiles included).")
+    print(lines[-1])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("# Normalizer benchmark (scripts/bench_norms.py)\n\n" + "\n".join(lines))
+        args.out.write_text("# Normalizer benchmark (scripts/bench_norms.py)\n\n" + "\n".join(lines) + "\n")
         print(f"wrote {args.out}")
 
 
