@@ -16,7 +16,7 @@ from normexp.norms.derf import Derf
 from normexp.norms.dyt import DyT
 from normexp.norms.group import GroupNorm
 from normexp.norms.instance import InstanceNorm
-from normexp.norms.kernels.dyt import fast_tanh
+from normexp.norms.kernels.pointwise import fast_tanh
 from normexp.norms.scale import ScaleNorm
 
 C = 8

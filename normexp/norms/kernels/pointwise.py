@@ -1,0 +1,185 @@
+"""The fused path of the point-wise normalizers ``gamma * f(alpha * x + s) + beta`` -- DyT (``f = tanh``, no
+shift, and its ablations' squashes), Derf and every function of :mod:`normexp.norms.pointwise`
+(``norm.kernels=compiled|eager``): one autograd Function that saves only its input (and the parameters),
+for every ``f`` that supplies its value and its derivative (:data:`FUNCTIONS`). Its forward is one pass; its
+backward two loops: one reduction for the alpha, shift, gamma and beta gradients, one pass for dL/dx.
+
+tanh is the rational function :func:`fast_tanh` (within 2e-8 of tanh; float32 evaluation within 4e-7, a
+few ulps), because the library tanh in compiled CPU code costs several times a memory pass; the sigmoid is
+``(1 + tanh(z / 2)) / 2`` with the same tanh. Compiled, DyT costs what a compiled RMSNorm costs (DyT paper,
+arXiv 2503.10622 v2, Table 15).
+
+Kinks: each derivative is the one torch's autograd gives through the plain definition, so the two paths
+agree everywhere: the clips (``clamp``) pass the gradient on their boundary, ``hardtanh`` only strictly
+inside; ``sign(u)`` has slope 0, so ``expsign``, ``saturlog`` and ``logsign_clip`` have slope 0 at exactly
+u = 0 (their one-sided limits are 1); ``exproot`` and ``power23_clip`` have an infinite slope at 0, where
+both paths give NaN (as Derf's code does).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import Kernels
+
+Tensor = torch.Tensor
+
+# tanh(z) ~ z P(z^2) / Q(z^2) on |z| <= 9 (and +-1 beyond, where |tanh(z) - 1| < 3e-8): a [9/8] rational
+# function fitted here by iteratively reweighted least squares; max |error| 1.9e-8 in float64.
+_TANH_P = (0.99999990631, 0.13373210947, 0.0034865983045, 2.0472125529e-05, 1.3184672548e-08)
+_TANH_Q = (1.0, 0.46706507791, 0.025842039893, 0.00032714133389, 7.7028391063e-07)
+_TANH_CLAMP = 9.0
+
+
+def fast_tanh(z: Tensor) -> Tensor:
+    """tanh from multiply-adds and one division (no transcendental): what compiles to a cheap fused loop."""
+    z = z.clamp(-_TANH_CLAMP, _TANH_CLAMP)
+    s = z * z
+    p, q = _TANH_P[-1], _TANH_Q[-1]
+    for a, b in zip(_TANH_P[-2::-1], _TANH_Q[-2::-1], strict=True):
+        p, q = p * s + a, q * s + b
+    return z * p / q
+
+
+class PointFunction(NamedTuple):
+    """A point-wise ``f``: its value ``f(u)`` and its slope ``f'(u)`` from ``u`` and ``t = f(u)``."""
+
+    value: Callable[[Tensor], Tensor]
+    slope: Callable[[Tensor, Tensor], Tensor | float]
+
+
+def _inside(v: Tensor, low: float = -1.0, high: float = 1.0) -> Tensor:
+    """clamp's gradient mask: 1 on [low, high], boundary included (torch's clamp_backward)."""
+    return ((v >= low) & (v <= high)).to(v.dtype)
+
+
+def _nonzero(u: Tensor) -> Tensor:
+    """sign(u)^2: the factor autograd's zero slope of sign (and of abs) at exactly 0 leaves."""
+    return (u != 0).to(u.dtype)
+
+
+def _signed_pow23(u: Tensor) -> Tensor:
+    return torch.sign(u) * u.abs() ** (2 / 3)
+
+
+def _signed_log1p_abs(u: Tensor) -> Tensor:
+    return torch.sign(u) * torch.log(u.abs() + 1)
+
+
+def _signed_logquad(u: Tensor) -> Tensor:
+    return torch.sign(u) * torch.log(u * u + 1)
+
+
+def _saturlog(u: Tensor) -> Tensor:
+    log = torch.log(u.abs() + 1)
+    return torch.sign(u) * log / (log + 1)
+
+
+def _exproot_slope(u: Tensor, t: Tensor) -> Tensor:
+    root = u.abs().sqrt()
+    return _nonzero(u) * torch.exp(-root) / (2 * root)  # 0 * inf = NaN at u = 0, as autograd's
+
+
+_TWO_OVER_SQRT_PI = 2 / math.sqrt(math.pi)
+
+# every f the fused Function computes: DyT's squashes and the point-wise family (pointwise.FUNCTIONS)
+FUNCTIONS: dict[str, PointFunction] = {
+    "tanh": PointFunction(fast_tanh, lambda u, t: 1 - t * t),
+    "sigmoid": PointFunction(lambda u: 0.5 + 0.5 * fast_tanh(0.5 * u), lambda u, t: t * (1 - t)),
+    "hardtanh": PointFunction(lambda u: u.clamp(-1.0, 1.0), lambda u, t: ((u > -1) & (u < 1)).to(u.dtype)),
+    "identity": PointFunction(lambda u: u, lambda u, t: 1.0),
+    "erf": PointFunction(torch.erf, lambda u, t: _TWO_OVER_SQRT_PI * torch.exp(-u * u)),
+    "satursin": PointFunction(lambda u: torch.sin(u.clamp(-math.pi / 2, math.pi / 2)),
+                              lambda u, t: torch.cos(u) * _inside(u, -math.pi / 2, math.pi / 2)),
+    "isru": PointFunction(lambda u: u * torch.rsqrt(u * u + 1), lambda u, t: torch.rsqrt(u * u + 1) ** 3),
+    "expsign": PointFunction(lambda u: torch.sign(u) * (1 - torch.exp(-u.abs())),
+                             lambda u, t: _nonzero(u) * torch.exp(-u.abs())),
+    "smoothsign": PointFunction(lambda u: u / (1 + u.abs()), lambda u, t: (1 + u.abs()) ** -2),
+    "relsign": PointFunction(lambda u: u / (torch.sqrt(u * u + 1) + 1),
+                             lambda u, t: 1 / (torch.sqrt(u * u + 1) * (torch.sqrt(u * u + 1) + 1))),
+    "cubsign": PointFunction(lambda u: u ** 3 / (u.abs() ** 3 + 1),
+                             lambda u, t: 3 * u * u / (u.abs() ** 3 + 1) ** 2),
+    "exproot": PointFunction(lambda u: torch.sign(u) * (1 - torch.exp(-u.abs().sqrt())), _exproot_slope),
+    "saturlog": PointFunction(_saturlog, lambda u, t: _nonzero(u) * (1 - t.abs()) ** 2 / (u.abs() + 1)),
+    "arctan": PointFunction(lambda u: torch.atan(u) * (2 / math.pi),
+                            lambda u, t: (2 / math.pi) / (1 + u * u)),
+    "linear_clip": PointFunction(lambda u: u.clamp(-1, 1), lambda u, t: _inside(u)),
+    "power23_clip": PointFunction(lambda u: _signed_pow23(u).clamp(-1, 1),
+                                  lambda u, t: (_inside(_signed_pow23(u)) * _nonzero(u)
+                                                * (2 / 3) * u.abs() ** (-1 / 3))),
+    "logsign_clip": PointFunction(lambda u: _signed_log1p_abs(u).clamp(-1, 1),
+                                  lambda u, t: _inside(_signed_log1p_abs(u)) * _nonzero(u) / (u.abs() + 1)),
+    "smoothsign_clip": PointFunction(lambda u: (u / (1 + u.abs())).clamp(-1, 1),
+                                     lambda u, t: _inside(u / (1 + u.abs())) * (1 + u.abs()) ** -2),
+    "logquad_clip": PointFunction(lambda u: _signed_logquad(u).clamp(-1, 1),
+                                  lambda u, t: _inside(_signed_logquad(u)) * 2 * u.abs() / (u * u + 1)),
+}
+
+
+def _channel_dim(x: Tensor, channels_first: bool) -> int:
+    return 1 if channels_first and x.dim() > 2 else x.dim() - 1
+
+
+def _channel_shape(x: Tensor, channels_first: bool) -> tuple[int, ...]:
+    """The shape that broadcasts a per-channel vector against x."""
+    return (-1,) + (1,) * (x.dim() - 1 - _channel_dim(x, channels_first))
+
+
+def _pre(x: Tensor, alpha: Tensor, shift: Tensor | None) -> Tensor:
+    return alpha * x if shift is None else alpha * x + shift
+
+
+def _forward(x: Tensor, alpha: Tensor, shift: Tensor | None, weight: Tensor, bias: Tensor, fn: str,
+             channels_first: bool) -> Tensor:
+    shape = _channel_shape(x, channels_first)
+    return FUNCTIONS[fn].value(_pre(x, alpha, shift)) * weight.view(shape) + bias.view(shape)
+
+
+def _backward(gy: Tensor, x: Tensor, alpha: Tensor, shift: Tensor | None, weight: Tensor, fn: str,
+              channels_first: bool, alpha_grad: bool, shift_grad: bool) -> tuple[Tensor | None, ...]:
+    """(dL/dx, dL/dalpha, dL/dshift, dL/dgamma, dL/dbeta). Compiled: one loop of per-channel sums, one for
+    dL/dx."""
+    u = _pre(x, alpha, shift)
+    t = FUNCTIONS[fn].value(u)
+    g_u = gy * FUNCTIONS[fn].slope(u, t)
+    dims = tuple(i for i in range(x.dim()) if i != _channel_dim(x, channels_first))
+    # dL/dalpha = sum_c gamma_c sum_n g_u x: its per-channel sums share one loop with gamma's and beta's
+    g_alpha = (weight * (g_u * x).sum(dims)).sum().view(1) if alpha_grad else None
+    g_shift = (weight * g_u.sum(dims)).sum().view(1) if shift_grad else None
+    g_x = g_u * (weight * alpha).view(_channel_shape(x, channels_first))
+    return g_x, g_alpha, g_shift, (gy * t).sum(dims), gy.sum(dims)
+
+
+_KERNELS = Kernels(forward=_forward, backward=_backward)
+
+
+class _PointWiseFunction(torch.autograd.Function):
+    """``gamma * f(alpha * x + s) + beta`` with a one-pass forward and a one-pass backward; saves only x (and
+    the parameters)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, alpha: Tensor, shift: Tensor | None, weight: Tensor, bias: Tensor,
+                fn: str, channels_first: bool, kernels: Any) -> Tensor:
+        ctx.save_for_backward(x, alpha, shift, weight)
+        ctx.config, ctx.kernels = (fn, channels_first), kernels
+        return kernels.forward(x, alpha, shift, weight, bias, fn, channels_first)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
+        x, alpha, shift, weight = ctx.saved_tensors
+        grads = ctx.kernels.backward(gy, x, alpha, shift, weight, *ctx.config, ctx.needs_input_grad[1],
+                                     ctx.needs_input_grad[2])
+        return *grads, None, None, None
+
+
+def pointwise(x: Tensor, alpha: Tensor, shift: Tensor | None, weight: Tensor, bias: Tensor, fn: str,
+              channels_first: bool, mode: str) -> Tensor:
+    """``weight * f(alpha * x + shift) + bias`` (no shift: None) through the fused Function, its kernels
+    ``compiled`` or ``eager``; ``f`` one of :data:`FUNCTIONS`."""
+    return _PointWiseFunction.apply(x, alpha, shift, weight, bias, fn, channels_first, _KERNELS.get(mode))
