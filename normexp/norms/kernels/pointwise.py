@@ -10,8 +10,8 @@ few ulps), because the library tanh in compiled CPU code costs several times a m
 arXiv 2503.10622 v2, Table 15).
 
 Kinks: each derivative is the one torch's autograd gives through the plain definition, so the two paths
-agree everywhere: the clips (``clamp``) pass the gradient on their boundary, ``hardtanh`` only strictly
-inside; ``sign(u)`` has slope 0, so ``expsign``, ``saturlog`` and ``logsign_clip`` have slope 0 at exactly
+agree everywhere: the clips (``clamp``, ``hardtanh``) pass the gradient only strictly inside, 0 on their
+boundary; ``sign(u)`` has slope 0, so ``expsign``, ``saturlog`` and ``logsign_clip`` have slope 0 at exactly
 u = 0 (their one-sided limits are 1); ``exproot`` and ``power23_clip`` have an infinite slope at 0, where
 both paths give NaN (as Derf's code does).
 """
@@ -54,8 +54,9 @@ class PointFunction(NamedTuple):
 
 
 def _inside(v: Tensor, low: float = -1.0, high: float = 1.0) -> Tensor:
-    """clamp's gradient mask: 1 on [low, high], boundary included (torch's clamp_backward)."""
-    return ((v >= low) & (v <= high)).to(v.dtype)
+    """clamp's (and hardtanh's) gradient mask: 1 strictly inside (low, high), 0 on the boundary, as autograd
+    gives it."""
+    return ((v > low) & (v < high)).to(v.dtype)
 
 
 def _nonzero(u: Tensor) -> Tensor:
@@ -91,7 +92,7 @@ _TWO_OVER_SQRT_PI = 2 / math.sqrt(math.pi)
 FUNCTIONS: dict[str, PointFunction] = {
     "tanh": PointFunction(fast_tanh, lambda u, t: 1 - t * t),
     "sigmoid": PointFunction(lambda u: 0.5 + 0.5 * fast_tanh(0.5 * u), lambda u, t: t * (1 - t)),
-    "hardtanh": PointFunction(lambda u: u.clamp(-1.0, 1.0), lambda u, t: ((u > -1) & (u < 1)).to(u.dtype)),
+    "hardtanh": PointFunction(lambda u: u.clamp(-1.0, 1.0), lambda u, t: _inside(u)),
     "identity": PointFunction(lambda u: u, lambda u, t: 1.0),
     "erf": PointFunction(torch.erf, lambda u, t: _TWO_OVER_SQRT_PI * torch.exp(-u * u)),
     "satursin": PointFunction(lambda u: torch.sin(u.clamp(-math.pi / 2, math.pi / 2)),
@@ -121,13 +122,13 @@ FUNCTIONS: dict[str, PointFunction] = {
 }
 
 
-def _channel_dim(x: Tensor, channels_first: bool) -> int:
+def channel_dim(x: Tensor, channels_first: bool) -> int:
     return 1 if channels_first and x.dim() > 2 else x.dim() - 1
 
 
-def _channel_shape(x: Tensor, channels_first: bool) -> tuple[int, ...]:
+def channel_shape(x: Tensor, channels_first: bool) -> tuple[int, ...]:
     """The shape that broadcasts a per-channel vector against x."""
-    return (-1,) + (1,) * (x.dim() - 1 - _channel_dim(x, channels_first))
+    return (-1,) + (1,) * (x.dim() - 1 - channel_dim(x, channels_first))
 
 
 def _pre(x: Tensor, alpha: Tensor, shift: Tensor | None) -> Tensor:
@@ -136,7 +137,7 @@ def _pre(x: Tensor, alpha: Tensor, shift: Tensor | None) -> Tensor:
 
 def _forward(x: Tensor, alpha: Tensor, shift: Tensor | None, weight: Tensor, bias: Tensor, fn: str,
              channels_first: bool) -> Tensor:
-    shape = _channel_shape(x, channels_first)
+    shape = channel_shape(x, channels_first)
     return FUNCTIONS[fn].value(_pre(x, alpha, shift)) * weight.view(shape) + bias.view(shape)
 
 
@@ -147,11 +148,11 @@ def _backward(gy: Tensor, x: Tensor, alpha: Tensor, shift: Tensor | None, weight
     u = _pre(x, alpha, shift)
     t = FUNCTIONS[fn].value(u)
     g_u = gy * FUNCTIONS[fn].slope(u, t)
-    dims = tuple(i for i in range(x.dim()) if i != _channel_dim(x, channels_first))
+    dims = tuple(i for i in range(x.dim()) if i != channel_dim(x, channels_first))
     # dL/dalpha = sum_c gamma_c sum_n g_u x: its per-channel sums share one loop with gamma's and beta's
     g_alpha = (weight * (g_u * x).sum(dims)).sum().view(1) if alpha_grad else None
     g_shift = (weight * g_u.sum(dims)).sum().view(1) if shift_grad else None
-    g_x = g_u * (weight * alpha).view(_channel_shape(x, channels_first))
+    g_x = g_u * (weight * alpha).view(channel_shape(x, channels_first))
     return g_x, g_alpha, g_shift, (gy * t).sum(dims), gy.sum(dims)
 
 
