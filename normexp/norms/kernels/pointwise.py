@@ -64,18 +64,6 @@ def _nonzero(u: Tensor) -> Tensor:
     return (u != 0).to(u.dtype)
 
 
-def _signed_pow23(u: Tensor) -> Tensor:
-    return torch.sign(u) * u.abs() ** (2 / 3)
-
-
-def _signed_log1p_abs(u: Tensor) -> Tensor:
-    return torch.sign(u) * torch.log(u.abs() + 1)
-
-
-def _signed_logquad(u: Tensor) -> Tensor:
-    return torch.sign(u) * torch.log(u * u + 1)
-
-
 def _saturlog(u: Tensor) -> Tensor:
     log = torch.log(u.abs() + 1)
     return torch.sign(u) * log / (log + 1)
@@ -109,16 +97,16 @@ FUNCTIONS: dict[str, PointFunction] = {
     "saturlog": PointFunction(_saturlog, lambda u, t: _nonzero(u) * (1 - t.abs()) ** 2 / (u.abs() + 1)),
     "arctan": PointFunction(lambda u: torch.atan(u) * (2 / math.pi),
                             lambda u, t: (2 / math.pi) / (1 + u * u)),
-    "linear_clip": PointFunction(lambda u: u.clamp(-1, 1), lambda u, t: _inside(u)),
-    "power23_clip": PointFunction(lambda u: _signed_pow23(u).clamp(-1, 1),
-                                  lambda u, t: (_inside(_signed_pow23(u)) * _nonzero(u)
-                                                * (2 / 3) * u.abs() ** (-1 / 3))),
-    "logsign_clip": PointFunction(lambda u: _signed_log1p_abs(u).clamp(-1, 1),
-                                  lambda u, t: _inside(_signed_log1p_abs(u)) * _nonzero(u) / (u.abs() + 1)),
+    # the clips: clamp's slope is nonzero exactly where |f(u)| < 1 (strictly), read off the output
+    "linear_clip": PointFunction(lambda u: u.clamp(-1, 1), lambda u, t: _inside(t)),
+    "power23_clip": PointFunction(lambda u: (torch.sign(u) * u.abs() ** (2 / 3)).clamp(-1, 1),
+                                  lambda u, t: _inside(t) * (2 / 3) * t / u),  # 0 / 0 = NaN at u = 0
+    "logsign_clip": PointFunction(lambda u: (torch.sign(u) * torch.log(u.abs() + 1)).clamp(-1, 1),
+                                  lambda u, t: _inside(t) * _nonzero(u) / (u.abs() + 1)),
     "smoothsign_clip": PointFunction(lambda u: (u / (1 + u.abs())).clamp(-1, 1),
-                                     lambda u, t: _inside(u / (1 + u.abs())) * (1 + u.abs()) ** -2),
-    "logquad_clip": PointFunction(lambda u: _signed_logquad(u).clamp(-1, 1),
-                                  lambda u, t: _inside(_signed_logquad(u)) * 2 * u.abs() / (u * u + 1)),
+                                     lambda u, t: _inside(t) * (1 + u.abs()) ** -2),
+    "logquad_clip": PointFunction(lambda u: (torch.sign(u) * torch.log(u * u + 1)).clamp(-1, 1),
+                                  lambda u, t: _inside(t) * 2 * u.abs() / (u * u + 1)),
 }
 
 
