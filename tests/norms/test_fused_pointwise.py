@@ -142,7 +142,7 @@ def test_the_fused_path_saves_only_its_input_and_row_statistics(norm):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         m(x)
     large = [t for t in saved if t.data_ptr() not in params and t.numel() > 2 * 3]
-    assert [t.data_ptr() for t in large] == [x.data_ptr()]  # rms: 1/rms per row beside it (2 * 3 values)
+    assert [t.data_ptr() for t in large] == [x.data_ptr()]  # rms: a sum of squares per row beside it
 
 
 @pytest.mark.parametrize("norm", ["erf", "dyisru", "rms"])
