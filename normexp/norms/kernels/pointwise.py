@@ -136,6 +136,18 @@ def channel_shape(x: Tensor, channels_first: bool) -> tuple[int, ...]:
     return (-1,) + (1,) * (x.dim() - 1 - channel_dim(x, channels_first))
 
 
+def channel_sums(v: Tensor, channels_first: bool) -> Tensor:
+    """Per-channel sums over every other dim. On the CPU, channels last, in two stages over blocks of rows:
+    compiled, one sum down the columns of a (rows, C) tensor runs at a third of the speed of a read (it
+    walks each block of channels down all rows), over blocks of 16 rows at about the speed of a read."""
+    dim = channel_dim(v, channels_first)
+    rows = v.numel() // v.shape[dim]
+    block = next((b for b in (16, 8, 4, 2) if rows % b == 0), 1)
+    if dim != v.dim() - 1 or v.device.type != "cpu" or block == 1:
+        return v.sum([i for i in range(v.dim()) if i != dim])
+    return v.reshape(rows // block, block, v.shape[dim]).sum(1).sum(0)
+
+
 def _pre(x: Tensor, alpha: Tensor, shift: Tensor | None) -> Tensor:
     return alpha * x if shift is None else alpha * x + shift
 
@@ -153,12 +165,11 @@ def _backward(gy: Tensor, x: Tensor, alpha: Tensor, shift: Tensor | None, weight
     u = _pre(x, alpha, shift)
     t = FUNCTIONS[fn].value(u)
     g_u = gy * FUNCTIONS[fn].slope(u, t)
-    dims = tuple(i for i in range(x.dim()) if i != channel_dim(x, channels_first))
     # dL/dalpha = sum_c gamma_c sum_n g_u x: its per-channel sums share one loop with gamma's and beta's
-    g_alpha = (weight * (g_u * x).sum(dims)).sum().view(1) if alpha_grad else None
-    g_shift = (weight * g_u.sum(dims)).sum().view(1) if shift_grad else None
+    g_alpha = (weight * channel_sums(g_u * x, channels_first)).sum().view(1) if alpha_grad else None
+    g_shift = (weight * channel_sums(g_u, channels_first)).sum().view(1) if shift_grad else None
     g_x = g_u * (weight * alpha).view(channel_shape(x, channels_first))
-    return g_x, g_alpha, g_shift, (gy * t).sum(dims), gy.sum(dims)
+    return g_x, g_alpha, g_shift, channel_sums(gy * t, channels_first), channel_sums(gy, channels_first)
 
 
 _KERNELS = Kernels(forward=_forward, backward=_backward)

@@ -14,7 +14,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import Kernels
-from .pointwise import channel_dim, channel_shape
+from .pointwise import channel_dim, channel_shape, channel_sums
 
 Tensor = torch.Tensor
 
@@ -43,7 +43,7 @@ def _backward(gy: Tensor, x: Tensor, sum_square: Tensor, weight: Tensor | None, 
     x_hat = _upcast(x) * rstd
     g = gy if weight is None else gy * weight.view(channel_shape(x, channels_first))
     g_x = rstd * (g - x_hat * ((g * x_hat).sum(dim, keepdim=True) * (1 / x.shape[dim])))
-    g_weight = None if weight is None else (gy * x_hat).sum(tuple(i for i in range(x.dim()) if i != dim))
+    g_weight = None if weight is None else channel_sums(gy * x_hat, channels_first)
     return g_x, g_weight
 
 
