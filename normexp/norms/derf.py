@@ -7,14 +7,16 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from .kernels import KERNEL_MODES
 from .pointwise import PointWise
 from .registry import register_norm
 
 
 @register_norm("derf")
 class Derf(PointWise):
-    hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {"alpha0": {"above": 0}}
+    hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {
+        "alpha0": {"above": 0}, "kernels": {"choices": list(KERNEL_MODES)}}
 
     def __init__(self, dim: int, alpha0: float = 0.5, shift0: float = 0.0,
-                 data_format: str = "channels_last") -> None:
-        super().__init__(dim, "erf", alpha0, shift0, data_format=data_format)
+                 data_format: str = "channels_last", kernels: str = "auto") -> None:
+        super().__init__(dim, "erf", alpha0, shift0, data_format=data_format, kernels=kernels)

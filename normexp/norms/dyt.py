@@ -4,7 +4,7 @@ scalar ``alpha`` per layer (init ``alpha0``, 0.5) and ``gamma``, ``beta`` per ch
 
 Ablations (Tables 7-8): ``squash`` tanh | hardtanh | sigmoid | identity (the paper does not say whether its
 sigmoid was shifted or rescaled: this is the plain logistic, outputs in (0, 1)); ``learnable_alpha=False``
-keeps alpha at ``alpha0`` (a buffer). ``kernels``: the fused path (``normexp.norms.kernels``).
+keeps alpha at ``alpha0`` (a buffer). ``kernels``: the fused path (``normexp.norms.kernels.pointwise``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from .functional import channel_affine, check_data_format, output_dtype
 from .kernels import KERNEL_MODES, check_kernels, resolve_kernels
-from .kernels.dyt import dyt
+from .kernels.pointwise import pointwise
 from .registry import register_norm
 
 SQUASH: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -56,8 +56,8 @@ class DyT(nn.Module):
         if mode == "autograd":  # the definition
             y = channel_affine(SQUASH[self.squash](self.alpha * x), self.weight, self.bias, self.data_format)
         else:
-            y = dyt(x, self.alpha, self.weight, self.bias, self.squash, self.data_format == "channels_first",
-                    mode)
+            y = pointwise(x, self.alpha, None, self.weight, self.bias, self.squash,
+                          self.data_format == "channels_first", mode)
         return y.to(output_dtype(x))
 
     def extra_repr(self) -> str:

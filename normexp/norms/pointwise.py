@@ -13,6 +13,9 @@ unit-variance inputs -- so that the layer starts as the identity near 0); it has
 
 Two functions have an infinite slope at exactly 0 (``exproot``, ``power23_clip``): their gradient there is
 NaN, in Derf's code and here.
+
+``kernels``: the fused path (:mod:`normexp.norms.kernels.pointwise`, whose docstring lists the kinks), as
+DyT's; ``autograd`` is the definition below. DyISRU fuses as ``sqrt(C) * isru(x / sqrt(b))``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import torch
 from torch import nn
 
 from .functional import channel_affine, check_data_format, output_dtype
+from .kernels import KERNEL_MODES, check_kernels, resolve_kernels
+from .kernels.pointwise import pointwise
 from .registry import register_norm
 
 
@@ -62,16 +67,18 @@ FN_CHOICES = sorted([*FUNCTIONS, "dyisru"])
 @register_norm("pointwise")
 class PointWise(nn.Module):
     hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {
-        "fn": {"choices": FN_CHOICES}, "alpha0": {"above": 0}, "beta0": {"above": 0}}
+        "fn": {"choices": FN_CHOICES}, "alpha0": {"above": 0}, "beta0": {"above": 0},
+        "kernels": {"choices": list(KERNEL_MODES)}}
 
     def __init__(self, dim: int, fn: str = "erf", alpha0: float = 0.5, shift0: float = 0.0,
                  learnable_shift: bool = True, beta0: float | None = None,
-                 data_format: str = "channels_last") -> None:
+                 data_format: str = "channels_last", kernels: str = "auto") -> None:
         super().__init__()
         if fn not in FN_CHOICES:
             raise ValueError(f"point-wise fn must be one of {FN_CHOICES}, got '{fn}'")
         self.dim, self.fn = dim, fn
         self.data_format = check_data_format(data_format)
+        self.kernels = check_kernels(kernels)
         if fn == "dyisru":
             self.beta = nn.Parameter(torch.full((1,), float(dim if beta0 is None else beta0)))
         else:
@@ -84,11 +91,20 @@ class PointWise(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fn == "dyisru":
-            y = math.sqrt(self.dim) * x * torch.rsqrt(self.beta + x * x)
+        mode = resolve_kernels(self.kernels, x, (PointWise, self.fn, self.data_format))
+        if mode == "autograd":  # the definition
+            if self.fn == "dyisru":
+                y = math.sqrt(self.dim) * x * torch.rsqrt(self.beta + x * x)
+            else:
+                y = FUNCTIONS[self.fn](self.alpha * x + self.shift)
+            y = channel_affine(y, self.weight, self.bias, self.data_format)
+        elif self.fn == "dyisru":  # sqrt(C) x / sqrt(b + x^2) = sqrt(C) isru(x / sqrt(b)): autograd does b's
+            y = pointwise(x, torch.rsqrt(self.beta), None, math.sqrt(self.dim) * self.weight, self.bias,
+                          "isru", self.data_format == "channels_first", mode)
         else:
-            y = FUNCTIONS[self.fn](self.alpha * x + self.shift)
-        return channel_affine(y, self.weight, self.bias, self.data_format).to(output_dtype(x))
+            y = pointwise(x, self.alpha, self.shift, self.weight, self.bias, self.fn,
+                          self.data_format == "channels_first", mode)
+        return y.to(output_dtype(x))
 
     def extra_repr(self) -> str:
         scalars = (f"beta={self.beta.item():.3g}" if self.fn == "dyisru" else

@@ -13,6 +13,8 @@ DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 CASES = {  # name -> (normalizer, hyper-parameters)
     "dyt": ("dyt", {}), "dyt_eager": ("dyt", {"kernels": "eager"}),
     "dtn": ("dtn", {}), "dtn_eager": ("dtn", {"kernels": "eager"}),
+    "derf_eager": ("derf", {"kernels": "eager"}), "rms_eager": ("rms", {"kernels": "eager"}),
+    "dyisru_eager": ("pointwise", {"fn": "dyisru", "kernels": "eager"}),
 }
 
 

@@ -16,7 +16,7 @@ from normexp.norms.derf import Derf
 from normexp.norms.dyt import DyT
 from normexp.norms.group import GroupNorm
 from normexp.norms.instance import InstanceNorm
-from normexp.norms.kernels.dyt import fast_tanh
+from normexp.norms.kernels.pointwise import fast_erf, fast_tanh
 from normexp.norms.scale import ScaleNorm
 
 C = 8
@@ -199,11 +199,12 @@ def test_dyt_fused_path_matches_definition_float64(layout, squash, learnable):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_dyt_fast_tanh_is_tanh_to_float32_precision():
+@pytest.mark.parametrize("fast, exact, error", [(fast_tanh, torch.tanh, 2e-8), (fast_erf, torch.erf, 4e-8)])
+def test_fused_tanh_and_erf_are_exact_to_float32_precision(fast, exact, error):
     z = torch.linspace(-30, 30, 600_001, dtype=torch.float64)
-    assert (fast_tanh(z) - torch.tanh(z)).abs().max() < 2e-8
-    t32 = fast_tanh(z.float())
-    assert (t32.double() - torch.tanh(z)).abs().max() < 4e-7 and t32.abs().max() <= 1 + 3e-7
+    assert (fast(z) - exact(z)).abs().max() < error
+    t32 = fast(z.float())
+    assert (t32.double() - exact(z)).abs().max() < 4e-7 and t32.abs().max() <= 1 + 3e-7
 
 
 def test_dyt_fused_path_saves_only_its_input():

@@ -50,14 +50,14 @@ def test_each_function_equals_its_definition(fn):
 
 @pytest.mark.parametrize("fn", sorted(EXPECTED))
 def test_the_shift_is_inside_the_function_and_the_affine_outside(fn):
-    layer = PointWise(C, fn, alpha0=0.7, shift0=-0.2).double()
+    layer = PointWise(C, fn, alpha0=0.75, shift0=-0.25).double()  # exact in float32
     with torch.no_grad():
         layer.weight.copy_(torch.arange(1.0, C + 1))
         layer.bias.fill_(0.25)
     x = torch.randn(3, 5, C, dtype=torch.float64) * 2
-    expected = FUNCTIONS[fn](0.7 * x - 0.2) * torch.arange(1.0, C + 1, dtype=torch.float64) + 0.25
+    expected = FUNCTIONS[fn](0.75 * x - 0.25) * torch.arange(1.0, C + 1, dtype=torch.float64) + 0.25
     torch.testing.assert_close(layer(x), expected)
-    maps = PointWise(C, fn, alpha0=0.7, shift0=-0.2, data_format="channels_first").double()
+    maps = PointWise(C, fn, alpha0=0.75, shift0=-0.25, data_format="channels_first").double()
     maps.load_state_dict(layer.state_dict())
     torch.testing.assert_close(maps(x.permute(0, 2, 1)[..., None]), expected.permute(0, 2, 1)[..., None])
 
