@@ -12,7 +12,7 @@ TABLES := $(sort $(basename $(notdir $(wildcard configs/table/*.yaml))))
 TABLE_ARGS = --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(LAUNCHER),--launcher $(LAUNCHER))
 FIGURES := $(sort $(basename $(notdir $(wildcard configs/figure/*.yaml))))
 
-.PHONY: help install demo test test-slow test-demos test-all lint format clean-runs tables dashboard bench gpu-check \
+.PHONY: help install demo test test-slow test-demos test-all lint format clean-runs tables dashboard bench gpu-check gpu-check-offline \
 	$(addprefix table-,$(TABLES)) figures $(addprefix figure-,$(FIGURES))
 
 help:
@@ -33,8 +33,11 @@ help:
 	@echo "make figures    every figure (one after another)"
 	@echo "make dashboard  import every run record into MLflow and serve its UI on http://127.0.0.1:5000"
 	@echo "make bench      normalizer, training-step and pre-training-step benchmarks -> results/bench/*.md"
-	@echo "make gpu-check  on a CUDA machine: fused kernels, bf16, ViT-S steps, a torchrun kill/resume run"
-	@echo "                -> results/bench/gpu/*.md (minutes on one GPU)"
+	@echo "make gpu-check  on a CUDA machine: fused kernels, layer and ViT-B/DiT step benchmarks, a torchrun"
+	@echo "                kill/resume run -> results/bench/gpu/*.md, within BUDGET seconds (default 480)"
+	@echo "make gpu-check-offline WHEELS=<dir>  the same on a machine with torch but no package registry:"
+	@echo "                installs the wheels in <dir> (hydra-core, omegaconf, antlr4, timm, ...) under"
+	@echo "                build/site, no venv"
 
 install: $(STAMP)
 
@@ -96,6 +99,16 @@ bench: install
 clean-runs:
 	rm -rf outputs multirun
 
-# the GPU path (scripts/gpu_check.py --help): fused = plain kernels, bf16, benchmarks, a DDP run killed and resumed
+# the GPU path (scripts/gpu_check.py --help): fused = plain kernels, bf16, benchmarks, a DDP run killed and resumed,
+# most valuable first, each section's table written as it ends, within BUDGET seconds
+BUDGET ?= 480
 gpu-check: install
-	$(PY) scripts/gpu_check.py --out results/bench/gpu
+	$(PY) scripts/gpu_check.py --out results/bench/gpu --budget-s $(BUDGET)
+
+# a GPU machine without a registry: the system python's torch, the wheels it lacks from WHEELS, nothing else
+gpu-check-offline:
+	@test -n "$(WHEELS)" || { echo "usage: make gpu-check-offline WHEELS=<folder of .whl files>"; exit 2; }
+	$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target build/site \
+		$(WHEELS)/*.whl
+	PYTHONPATH=$(CURDIR):$(CURDIR)/build/site PYTHONUNBUFFERED=1 \
+		$(PYTHON) scripts/gpu_check.py --out results/bench/gpu --budget-s $(BUDGET)

@@ -3,12 +3,17 @@ check a GPU machine runs cannot rot between the runs that machines are lent for.
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 from conftest import ROOT
+
+from normexp.norms import list_norms
+from normexp.norms.registry import hyperparameters
 
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
@@ -27,16 +32,65 @@ def assert_section_passed(out, section: str) -> str:
     return table
 
 
+def fused_cases_expected() -> int:
+    """13 DyT and DTN slots, and a token case per function of every other normalizer with a fused path."""
+    count = 13
+    for norm in set(list_norms()) - {"dyt", "dtn"}:
+        options = {h.name: h for h in hyperparameters(norm) or []}
+        if "kernels" in options:
+            count += len(options["fn"].checks["choices"]) if "fn" in options else 1
+    return count
+
+
 def test_fused_section_dry_run(tmp_path):
     # every DyT squash and layout, every DTN slot kind: compiled path's kernels (op by op here) = plain ops
     proc = gpu_check("--dry-run", "--sections", "fused", "--fused-mode", "eager", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = assert_section_passed(tmp_path, "fused")
-    rows = [line for line in table.splitlines() if line.startswith("| dyt") or line.startswith("| dtn")]
-    assert len(rows) == 13 and all(row.endswith("| pass |") for row in rows)
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| case")]
+    assert len(rows) == fused_cases_expected() and all(row.split("|")[-3].strip() == "pass" for row in rows)
     for squash in ("tanh", "hardtanh", "sigmoid", "identity"):
         assert any(f"dyt {squash}" in row for row in rows)
     assert any("pooled" in row for row in rows) and any("prefix" in row for row in rows)
+    # round-robin over the normalizers: a cut leaves each checked once
+    assert rows[0].startswith("| dyt") and rows[1].startswith("| dtn")
+
+
+def test_budget_keeps_finished_sections_most_valuable_first(tmp_path):
+    # asked in any order, the sections run fused, layers, steps, run; a budget too short for the benchmarks
+    # leaves fused's table and says in every later section's file what it cut (a command stopped, a part or
+    # the whole section not started)
+    proc = gpu_check("--dry-run", "--sections", "run,steps,layers,fused", "--fused-mode", "eager",
+                     "--budget-s", "2", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = re.findall(r"^== (\w+): (\w+)", proc.stdout, re.MULTILINE)
+    assert [name for name, _ in done] == ["fused", "layers", "steps", "run"]
+    fused = (tmp_path / "fused.md").read_text()
+    assert "- section: FAIL" not in fused and "| pass |" in fused
+    for later in ("layers", "steps", "run"):
+        table = (tmp_path / f"{later}.md").read_text()
+        assert "- section: incomplete" in table and re.search(r"NOT RUN \(budget\)|CUT \(budget\)", table)
+
+
+def test_budget_stops_a_benchmark_at_the_section_end(tmp_path):
+    # a command still running when its section's time is up is stopped, its last output kept; the rest of
+    # the section is not started
+    proc = gpu_check("--dry-run", "--sections", "steps", "--budget-s", "3", "--out", str(tmp_path),
+                     timeout=300)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = (tmp_path / "steps.md").read_text()
+    assert "- section: incomplete" in table and "CUT (budget): ViT step, bf16, compiled" in table
+    assert table.count("NOT RUN (budget)") == 3
+
+
+def test_targets_marked_met_or_not(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    rows = module.target_rows({"dyt": 0.99, "derf": 1.03}, {"dyt": 1.0, "derf": 1.02, "dtn": 1.15}, "ours ln")
+    assert rows[2:5] == ["| dyt | 0.990x | <= 1.00x | met |", "| derf | 1.030x | <= 1.02x | NOT MET |",
+                         "| dtn | not measured | <= 1.15x | not measured |"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
