@@ -17,7 +17,9 @@ command, its share of the budget) as soon as it ends, so a run cut short still r
   leaves each checked at least once. In float32, output and input/parameter gradients within ``FP32_TOL``
   (max |difference| / max |reference|); under ``torch.autocast(dtype=bfloat16)``, the output dtype is the
   one LayerNorm gives for the same input, gradients are finite and within ``BF16_TOL`` of float32 autograd
-  at the same (rounded) input. A compile that falls back to the plain ops (a Triton error) fails the section.
+  at the same (rounded) input, or within ``PLAIN_BF16_SLACK`` times the plain ops' own bf16 error where a
+  cancelling sum (a scalar's gradient) loses more than that in any kernel. A compile that falls back to the
+  plain ops (a Triton error) fails the section.
 * ``layers`` -- forward+backward at ViT-B tokens (64, 197, 768) under bf16 autocast (bf16 input, as after a
   Linear; float32 parameters): DyT, Derf, every point-wise function, RMSNorm and DTN (their default,
   fused, path) against three LayerNorm baselines timed in the same interleaved rounds -- eager, compiled
@@ -92,6 +94,7 @@ ESTIMATE_S = {"vit_b compiled": 120, "dit fp32": 35, "vit_b eager": 50, "dit bf1
 TIMING_RESERVE_S = 10  # of the layers section, for its timed rounds once every layer is warm
 FP32_TOL = 1e-4  # compiled vs plain ops in float32: reassociated sums, a rational tanh (2e-8)
 BF16_TOL = 5e-2  # bf16 autocast vs float32 at the same bf16 input: 8 bits of mantissa (0.4 % per rounding)
+PLAIN_BF16_SLACK = 1.5  # ... or at most this times what the plain ops lose under the same autocast
 GRAD_FLOOR = 1e-2  # see worst_grad
 RESUME_TOL = 2e-2  # per-epoch train/loss, killed-and-resumed vs uninterrupted (GPU kernels are not bitwise)
 EXPECTED_RECOMPILES = 0  # the training step is compiled once (drop_last: every batch has one shape)
@@ -330,7 +333,8 @@ def check_fused(section: Section, device: torch.device, dry_run: bool, mode: str
     section.lines += [f"Tolerances: float32 compiled vs autograd, max |diff| / max |ref| <= {FP32_TOL:g} (a "
                       f"gradient's max |ref| at least {GRAD_FLOOR:g} x the case's largest gradient); bf16 "
                       f"autocast (bf16 input, as after a Linear) vs float32 autograd at that input <= "
-                      f"{BF16_TOL:g}, gradients finite, output dtype = LayerNorm's for the same input.", "",
+                      f"{BF16_TOL:g} (or <= {PLAIN_BF16_SLACK:g} x the plain ops' own bf16 error there), "
+                      f"gradients finite, output dtype = LayerNorm's for the same input.", "",
                       "| case | fp32: y | fp32: grads (worst) | bf16: y dtype (LN's) | bf16: y | bf16: grads "
                       "(worst) | verdict | s |", "|---|---|---|---|---|---|---|---|"]
     gen = torch.Generator().manual_seed(0)
@@ -359,8 +363,13 @@ def check_fused(section: Section, device: torch.device, dry_run: bool, mode: str
             y_ref16, g_ref16 = forward_backward(plain, x16.float(), grad, None)
             finite = all(bool(torch.isfinite(t).all()) for t in [y16, *g16.values()])
             bf16_y, bf16_g = rel_err(y16, y_ref16), worst_grad(g16, g_ref16)
+            # a sum that cancels (a scalar's gradient) can lose more than BF16_TOL in bf16 whatever the
+            # kernel: then the fused path may lose what the plain ops lose under the same autocast
+            y_plain16, g_plain16 = forward_backward(plain, x16, grad, torch.bfloat16)
+            y_tol = max(BF16_TOL, PLAIN_BF16_SLACK * rel_err(y_plain16, y_ref16))
+            g_tol = max(BF16_TOL, PLAIN_BF16_SLACK * worst_grad(g_plain16, g_ref16)[0])
             ok = (fp32_y <= FP32_TOL and fp32_g[0] <= FP32_TOL and y16.dtype == ln_dtype and finite
-                  and bf16_y <= BF16_TOL and bf16_g[0] <= BF16_TOL and set(g) == set(g_ref) == set(g16))
+                  and bf16_y <= y_tol and bf16_g[0] <= g_tol and set(g) == set(g_ref) == set(g16))
             section.ok &= ok
             seconds.append(time.monotonic() - start)
             dtype = f"{str(y16.dtype).removeprefix('torch.')} ({str(ln_dtype).removeprefix('torch.')})"
