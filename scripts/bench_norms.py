@@ -52,8 +52,6 @@ from normexp.norms.kernels import compiler_available  # noqa: E402
 from normexp.norms.normfree import NoNorm  # noqa: E402
 from normexp.norms.registry import hyperparameters  # noqa: E402
 
-kernels.COMPILE_AFTER_CALLS = 0  # the steady state of a long run: fused kernels from the first call
-
 SHAPES = {"vit_s": (384, 6), "vit_b": (768, 12)}  # (C, heads); grid 14x14 + 1 class token
 # (shape, max forward+backward time ratio to LN)
 # (row pattern, shape) -> (max forward+backward time x LN, max saved memory x LN or None)
@@ -236,6 +234,7 @@ def verdict(name: str, shape: str, time_ratio: float, memory_ratio: float) -> st
 
 
 def main() -> None:
+    kernels.COMPILE_AFTER_CALLS = 0  # the steady state of a long run: fused kernels from the first call
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")

@@ -438,10 +438,21 @@ def test_fused_path_matches_loop_reference():
     torch.testing.assert_close(m(x), reference_dtn(x, grid, prefix, m), rtol=1e-9, atol=1e-9)
 
 
-def test_fused_output_of_channels_first_map_is_contiguous():
-    m = DTN(12, num_heads=3, data_format="channels_first", kernels="eager")
-    y = m(torch.randn(2, 12, 5, 7))
-    assert y.is_contiguous() and y.shape == (2, 12, 5, 7)
+def test_fused_output_of_channels_first_map_is_contiguous_and_takes_in_place_adds():
+    """A ResNet block adds its shortcut in place (``out += identity``) to the norm's output: the fused
+    path's gradients then equal the plain path's."""
+    x, shortcut = torch.randn(2, 12, 5, 7, dtype=torch.float64), torch.randn(2, 12, 5, 7, dtype=torch.float64)
+    grads = []
+    for kernels in ("eager", "autograd"):
+        m = randomize(DTN(12, num_heads=3, data_format="channels_first", kernels=kernels)).double()
+        x_in = x.clone().requires_grad_()
+        y = m(x_in)
+        assert y.is_contiguous() and y.shape == (2, 12, 5, 7)
+        y += shortcut
+        (y * y).sum().backward()
+        grads.append([x_in.grad, *(p.grad for p in m.parameters())])
+    for fused, plain in zip(*grads, strict=True):
+        torch.testing.assert_close(fused, plain)
 
 
 def test_auto_uses_autograd_for_small_inputs():

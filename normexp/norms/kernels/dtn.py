@@ -180,7 +180,9 @@ class _Mix(torch.autograd.Function):
             torch.addcmul(bias, y_p, weight, out=out[:, :prefix])
         ctx.save_for_backward(xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight)
         ctx.config, ctx.kernels = (eps, prefix, from_moments), kernels
-        return out
+        # a map's (B, C, H, W) buffer itself: autograd forbids in-place writes (a ResNet's `out += identity`)
+        # to views of a view a custom Function returns, and allows them to views of its output
+        return out if map_size is None else out._base
 
     @staticmethod
     @once_differentiable
@@ -188,6 +190,8 @@ class _Mix(torch.autograd.Function):
         xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight = ctx.saved_tensors
         eps, prefix, from_moments = ctx.config
         b, n, c = xs.shape
+        if gy.dim() == 4:  # the gradient of a map's (B, C, H, W) buffer
+            gy = gy.permute(0, 2, 3, 1).reshape(b, n, c)
         grid, heads = (stats.shape[2], stats.shape[3]), lam_var.shape[0]
         g_xs = torch.empty_like(xs)
         g_stats, g_out_y, sums = ctx.kernels.mix_backward(_head_major(g_xs, prefix, grid, heads), gy, xs,
@@ -268,7 +272,8 @@ def mix(xs: torch.Tensor, stats: torch.Tensor, mu_ln: torch.Tensor, var_ln: torc
     """Steps (3)-(4) on the path ``mode``: the (B, N, C) output (a view of a map for ``map_size``)."""
     args = (xs, stats, mu_ln, var_ln, lam_mu, lam_var, weight, bias, eps, prefix, from_moments)
     if mode != "autograd":
-        return _Mix.apply(*args, map_size, _KERNELS.get(mode))
+        y = _Mix.apply(*args, map_size, _KERNELS.get(mode))
+        return y if map_size is None else y.permute(0, 2, 3, 1).view(xs.shape)
     y = _output_buffer(xs, map_size)
     grid, heads = (stats.shape[2], stats.shape[3]), lam_var.shape[0]
     _mix(_head_major(y, prefix, grid, heads), *args)
