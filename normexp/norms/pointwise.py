@@ -14,8 +14,10 @@ unit-variance inputs -- so that the layer starts as the identity near 0); it has
 Two functions have an infinite slope at exactly 0 (``exproot``, ``power23_clip``): their gradient there is
 NaN, in Derf's code and here.
 
-``kernels``: the fused path (:mod:`normexp.norms.kernels.pointwise`, whose docstring lists the kinks), as
-DyT's; ``autograd`` is the definition below. DyISRU fuses as ``sqrt(C) * isru(x / sqrt(b))``.
+``alpha_init=calibrate`` sets alpha from a pretrained LN model's statistics when its weights are converted
+(``normexp.tasks.conversion``). ``kernels``: the fused path (:mod:`normexp.norms.kernels.pointwise`, whose
+docstring lists the kinks), as DyT's; ``autograd`` is the definition below. DyISRU fuses as
+``sqrt(C) * isru(x / sqrt(b))``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import nn
 
 from .functional import channel_affine, check_data_format, output_dtype
 from .kernels import KERNEL_MODES, check_kernels, resolve_kernels
-from .kernels.pointwise import pointwise
+from .kernels.pointwise import ALPHA_INITS, check_alpha_init, pointwise
 from .registry import register_norm
 
 
@@ -68,15 +70,16 @@ FN_CHOICES = sorted([*FUNCTIONS, "dyisru"])
 class PointWise(nn.Module):
     hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {
         "fn": {"choices": FN_CHOICES}, "alpha0": {"above": 0}, "beta0": {"above": 0},
-        "kernels": {"choices": list(KERNEL_MODES)}}
+        "kernels": {"choices": list(KERNEL_MODES)}, "alpha_init": {"choices": list(ALPHA_INITS)}}
 
     def __init__(self, dim: int, fn: str = "erf", alpha0: float = 0.5, shift0: float = 0.0,
                  learnable_shift: bool = True, beta0: float | None = None,
-                 data_format: str = "channels_last", kernels: str = "auto") -> None:
+                 data_format: str = "channels_last", kernels: str = "auto",
+                 alpha_init: str = "alpha0") -> None:
         super().__init__()
         if fn not in FN_CHOICES:
             raise ValueError(f"point-wise fn must be one of {FN_CHOICES}, got '{fn}'")
-        self.dim, self.fn = dim, fn
+        self.dim, self.fn, self.alpha_init = dim, fn, check_alpha_init(alpha_init)
         self.data_format = check_data_format(data_format)
         self.kernels = check_kernels(kernels)
         if fn == "dyisru":
@@ -105,6 +108,11 @@ class PointWise(nn.Module):
             y = pointwise(x, self.alpha, self.shift, self.weight, self.bias, self.fn,
                           self.data_format == "channels_first", mode)
         return y.to(output_dtype(x))
+
+    @property
+    def point_function(self) -> str:
+        """Its ``f`` by the name :data:`normexp.norms.kernels.pointwise.FUNCTIONS` gives it (DyISRU: isru)."""
+        return "isru" if self.fn == "dyisru" else self.fn
 
     def extra_repr(self) -> str:
         scalars = (f"beta={self.beta.item():.3g}" if self.fn == "dyisru" else

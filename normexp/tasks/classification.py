@@ -6,6 +6,7 @@ Mixup/CutMix, label smoothing, top-1 / top-5. ``task.pretrained=<run>`` fine-tun
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -18,19 +19,25 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .. import distributed
 from ..data import build_classification_data
+from ..data.loaders import set_epoch
 from ..engine.checkpoint import checkpoint_run_config, reported_weights
 from ..engine.evaluate import classification_metrics, count_predictions
+from ..engine.precision import resolve_device
 from ..engine.probes import Probe, get_probes
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..models import build_backbone
+from ..models.foreign import is_foreign, read_foreign
 from ..models.stats import count_gmacs, count_params
 from ..tracking.records import RunRecord, read_summary
 from ..tracking.run_dir import resolve_source
 from . import Task, backbone_task, evaluated, register_task
+from .conversion import calibrate_and_compare, check_calibration, converted_layers
 from .pretrained import (
     HEAD,
+    foreign_source_config,
     load_starting_weights,
     resized_position_embedding,
     starting_weights,
@@ -94,21 +101,25 @@ def check_classification(cfg: Any) -> None:
             raise UserError("task.robustness.ema=true needs trainer.ema.enabled=true")
         check_robustness_settings(settings, cfg.data)
     needs_head = cfg.task.head_init_std or cfg.task.linear_probe
-    if cfg.task.get("pretrained") or needs_head:
+    if cfg.task.get("pretrained") or needs_head or cfg.norm.get("alpha_init") == "calibrate":
         prepared = with_pretrained_model(cfg)
         with torch.device("meta"):
             model = build_backbone(prepared.backbone, prepared.norm)
             if cfg.task.get("pretrained"):
                 load_pretrained(model, prepared)
+            elif prepared.norm.get("alpha_init") == "calibrate":
+                raise UserError("norm.alpha_init=calibrate sets alpha from a pretrained LayerNorm model: "
+                                "give task.pretrained (a timm:<name>, a weight file or an LN run)")
         if needs_head:
             linear_head(model)
 
 
 def with_pretrained_model(cfg: DictConfig) -> DictConfig:
     """With ``task.pretrained``: the starting run's normalizer (unless ``task.keep_pretrained_norm=false``);
-    another backbone is refused in one line."""
+    another backbone is refused in one line. Foreign weights (``timm:<name>``, a weight file) go into this
+    config's model, its normalizer converted from their LayerNorms."""
     source = cfg.task.get("pretrained")
-    if not source:
+    if not source or is_foreign(source):
         return cfg
     trained = checkpoint_run_config(source)
     if trained is None:  # a bare checkpoint: the configured model
@@ -125,22 +136,38 @@ def with_pretrained_model(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def load_pretrained(model: nn.Module, cfg: Any) -> dict[str, Any]:
+def load_pretrained(model: nn.Module, cfg: Any) -> tuple[dict[str, Any], nn.Module | None]:
     """``task.pretrained``'s backbone weights into ``model`` (on the meta device: checked only), converted
-    to this config's normalizer when it is not the starting run's (``task.keep_pretrained_norm=false``);
-    returns the record's ``pretrained`` (less the starting run's metrics)."""
-    source = cfg.task.pretrained
-    weights, which, task = starting_weights(source)
+    to this config's normalizer when it is not the source's (``task.keep_pretrained_norm=false``; foreign
+    weights: their LayerNorms); returns (the record's ``pretrained``, less the starting run's metrics; the
+    source model with its normalizer, when converted)."""
+    source = str(cfg.task.pretrained)
+    device = next(model.parameters()).device
+    if is_foreign(source):
+        trained = foreign_source_config(cfg)
+        with torch.device("cpu"):  # what the file is read into (its family's filter, .npz loading)
+            holder = build_backbone(trained["backbone"], trained["norm"])
+        weights, provenance = read_foreign(source, holder)
+        which, task = "pretrained", provenance["kind"]
+    else:
+        weights, which, task = starting_weights(source)
+        trained, provenance = checkpoint_run_config(source), {"source": source, "kind": "run"}
     fresh, dropped = HEAD, ("norm.",) if isinstance(getattr(model, "norm", None), nn.Identity) else ()
-    trained, norm = checkpoint_run_config(source), OmegaConf.to_container(cfg.norm, resolve=True)
-    converted = {}
+    norm = OmegaConf.to_container(cfg.norm, resolve=True)
+    converted, source_model = {}, None
     if trained is not None and trained["norm"] != norm:
-        weights, conversion = without_source_norm(weights, trained, norm, next(model.parameters()).device)
+        weights, conversion, source_model = without_source_norm(weights, trained, norm, device)
         fresh, dropped = (*fresh, *conversion["fresh"]), (*dropped, *conversion["dropped"])
         converted = {"converted": conversion}
+    if norm.get("alpha_init") == "calibrate":
+        if source_model is None or not converted_layers(source_model, model):
+            raise UserError(f"norm.alpha_init=calibrate sets alpha from a pretrained LayerNorm model, and "
+                            f"'{source}' holds no LayerNorm that becomes {norm['name']} here: use "
+                            "norm.alpha_init=alpha0")
+        check_calibration(model)
     report = load_starting_weights(model, resized_position_embedding(model, weights), source, fresh=fresh,
                                    dropped=dropped)
-    return {"run": str(source), "task": task, "weights": which, **report, **converted}
+    return {"run": source, **provenance, "task": task, "weights": which, **report, **converted}, source_model
 
 
 def linear_head(model: nn.Module) -> nn.Linear:
@@ -152,21 +179,48 @@ def linear_head(model: nn.Module) -> nn.Linear:
     return head
 
 
-def start_from(model: nn.Module, cfg: Any, record: RunRecord) -> None:
-    """``task.pretrained``'s backbone weights into ``model``, ``task.head_init_std``, and for
-    ``task.linear_probe`` a frozen backbone under a batch-normalised linear head."""
+def start_from(model: nn.Module, cfg: Any, record: RunRecord, data: Any) -> dict[str, Any] | None:
+    """``task.pretrained``'s backbone weights into ``model`` (a conversion calibrated and compared on
+    ``task.calibration_batches`` training batches: :mod:`normexp.tasks.conversion`), ``task.head_init_std``,
+    and for ``task.linear_probe`` a frozen backbone under a batch-normalised linear head. Returns the
+    record's ``pretrained`` (None without a source)."""
     source = cfg.task.get("pretrained")
+    pretrained = None
     if source:
-        report = load_pretrained(model, cfg)
+        report, source_model = load_pretrained(model, cfg)
+        if source_model is not None:
+            report["converted"].update(compare_conversion(source_model, model, cfg, data))
         directory = resolve_source(source)  # a run directory, run:<run_id>, or a checkpoint file
         reached = read_summary(directory)["metrics"].get("final", {}) \
-            if (directory / "summary.json").is_file() else {}  # the starting run's final evaluation
-        record.update(pretrained={**report, "final": reached})
-        log.info("backbone weights: the %s weights of %s (%s run); afresh: %s; unused: %s", report["weights"],
+            if not is_foreign(source) and (directory / "summary.json").is_file() else {}
+        pretrained = {**report, "final": reached}  # the starting run's final evaluation
+        record.update(pretrained=pretrained)
+        log.info("backbone weights: the %s weights of %s (%s); afresh: %s; unused: %s", report["weights"],
                  source, report["task"], ", ".join(report["fresh"]) or "none",
                  ", ".join(report["dropped"]) or "none")
-    if not (cfg.task.head_init_std or cfg.task.linear_probe):
-        return
+    if cfg.task.head_init_std or cfg.task.linear_probe:
+        start_head(model, cfg)
+    return pretrained
+
+
+def compare_conversion(source: nn.Module, model: nn.Module, cfg: Any, data: Any) -> dict[str, Any]:
+    """Calibrate alpha (``norm.alpha_init=calibrate``) and measure each converted layer's R^2 on the first
+    ``task.calibration_batches`` training batches, on the device the run trains on."""
+    device = resolve_device(cfg.trainer.device, distributed.info().local_rank)
+    source.to(device)
+    model.to(device)
+    loader = data.train
+    set_epoch(loader, 0)
+    images = [batch[0].to(device) for batch in itertools.islice(loader, cfg.task.calibration_batches)]
+    comparison = calibrate_and_compare(source, model, images)
+    for layer in comparison["layers"]:
+        log.info("converted %s: input std %.4g, alpha %s, R^2 %.4f", layer["layer"], layer["input_std"],
+                 f"{layer['alpha']:.4g}" if "alpha" in layer else "-", layer["r2"])
+    return comparison
+
+
+def start_head(model: nn.Module, cfg: Any) -> None:
+    """``task.head_init_std``'s new classifier, and ``task.linear_probe``'s frozen backbone."""
     head = linear_head(model)
     if cfg.task.head_init_std:  # a parametrized head (norm.convert_classifier) is initialised at its source,
         # and a parametrization that read the old weight (sigma-Reparam's gamma and u) restarts from the new
@@ -188,7 +242,7 @@ def start_from(model: nn.Module, cfg: Any, record: RunRecord) -> None:
 def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
     data = build_classification_data(cfg.data, cfg.seed)
     model = build_backbone(cfg.backbone, cfg.norm)
-    start_from(model, cfg, record)
+    pretrained = start_from(model, cfg, record, data)
     record.update(params=count_params(model),
                   gmacs=round(count_gmacs(model, (data.in_chans, data.img_size, data.img_size)), 4))
     log.info("%s with norm=%s: %.2fM params, %.3f GMACs", cfg.backbone.name, cfg.norm.name,
@@ -196,6 +250,11 @@ def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
     settings = cfg.task.get("robustness")
     robustness = settings is not None and settings.enabled
     trainer = ClassificationTrainer(cfg.trainer, model, data, record, get_probes(cfg.task.get("probes")))
+    if pretrained is not None and (cfg.task.evaluate_start or "converted" in pretrained):
+        # the starting point's accuracy on this run's data, before any update (a converted model's included)
+        start = trainer.evaluate(trainer.module, "start")
+        record.update(pretrained={**pretrained, "start": {k.split("/", 1)[1]: v for k, v in start.items()}})
+        log.info("before fine-tuning: %s", "  ".join(f"{k}={v:.4g}" for k, v in start.items()))
     metrics = trainer.fit()
     record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
     if robustness:  # the final model, into this record

@@ -16,6 +16,7 @@ from torch.nn.utils import parametrize
 from ..engine.checkpoint import load_checkpoint
 from ..errors import UserError
 from ..models import build_backbone
+from ..models.foreign import is_foreign
 from ..tracking.records import effective_status, load_record
 from ..tracking.run_dir import resolve_source
 from . import Task, backbone_task
@@ -32,7 +33,7 @@ def source_run(cfg: DictConfig, task: Task) -> dict[str, Any] | None:
     if task.starts_from is None:
         return None
     source = OmegaConf.select(cfg, task.starts_from)
-    if not source:
+    if not source or is_foreign(source):  # weights from outside normexp: no run behind them
         return None
     path = resolve_source(source)  # run:<run_id> too
     run_dir = path if path.is_dir() else path.parent
@@ -89,13 +90,15 @@ def load_starting_weights(model: nn.Module, weights: dict[str, Any], source: Any
 
 
 def without_source_norm(weights: dict[str, Any], trained: dict[str, Any], norm: Any,
-                        device: torch.device) -> tuple[dict[str, Any], dict[str, Any]]:
+                        device: torch.device) -> tuple[dict[str, Any], dict[str, Any], nn.Module]:
     """The backbone ``weights`` of the run ``trained`` (its resolved config) for the same backbone with the
     normalizer ``norm`` instead (``task.keep_pretrained_norm=false``): every reparametrized weight folded to
     the weight it computes in evaluation (sigma-Reparam's gamma / sigma(W) W), the source normalizer's own
     weights (DyT's alpha) dropped, the new one's (LN's after sigma-Reparam's identities) at their
     initialisation -- what DyT's release does when its MAE fine-tuning builds LN and loads with
-    ``strict=False``. Returns (weights, the record's ``converted``); on the meta device only the names."""
+    ``strict=False``. A LayerNorm's weight and bias become the new layer's affine where it has one under the
+    same names (DyT, Derf, the point-wise family). Returns (weights, the record's ``converted``, the source
+    model with its weights, in evaluation mode); on the meta device only the names."""
     with torch.device(device):
         source = build_backbone(trained["backbone"], trained["norm"])
         target = build_backbone(trained["backbone"], norm)  # the same backbone with the new normalizer
@@ -114,7 +117,15 @@ def without_source_norm(weights: dict[str, Any], trained: dict[str, Any], norm: 
     converted.update({key: plain[key] for key in folded})
     new = set(target.state_dict())
     return converted, {"from": trained["norm"]["name"], "to": norm["name"], "folded": folded,
-                       "dropped": sorted(set(plain) - new), "fresh": sorted(new - set(plain))}
+                       "dropped": sorted(set(plain) - new), "fresh": sorted(new - set(plain))}, source
+
+
+def foreign_source_config(cfg: DictConfig) -> dict[str, Any]:
+    """What a foreign source (``timm:<name>``, a weight file) was trained as: this run's backbone with
+    LayerNorm in every slot, at the eps the backbone suggests (timm's ViTs: 1e-6), as ``norm=ln``."""
+    backbone = OmegaConf.to_container(cfg.backbone, resolve=True)
+    eps = (backbone.get("norm_defaults") or {}).get("eps", 1e-6)
+    return {"backbone": backbone, "norm": {"name": "ln", "eps": eps}}
 
 
 def resized_position_embedding(model: nn.Module, weights: dict[str, Any]) -> dict[str, Any]:

@@ -90,6 +90,14 @@ def _exproot_slope(u: Tensor, t: Tensor) -> Tensor:
 
 
 _TWO_OVER_SQRT_PI = 2 / math.sqrt(math.pi)
+# how a point-wise layer's alpha starts: at alpha0, or from a pretrained LN model (normexp.tasks.conversion)
+ALPHA_INITS = ("alpha0", "calibrate")
+
+
+def check_alpha_init(value: str) -> str:
+    if value not in ALPHA_INITS:
+        raise ValueError(f"alpha_init must be one of {ALPHA_INITS}, got '{value}'")
+    return value
 
 # every f the fused Function computes: DyT's squashes and the point-wise family (pointwise.FUNCTIONS)
 FUNCTIONS: dict[str, PointFunction] = {
