@@ -59,8 +59,9 @@ def check_calibration(model: nn.Module) -> None:
                             "set; use norm.alpha_init=alpha0")
         slope = slope_at_zero(function)
         if not SLOPE_RANGE[0] < abs(slope) < SLOPE_RANGE[1]:
-            raise UserError(f"norm.alpha_init=calibrate sets alpha = 1 / (f'(0) std), and {function} has "
-                            f"slope {slope:.3g} at 0: use norm.alpha_init=alpha0 (and norm.alpha0) for it")
+            what = "slope 0" if abs(slope) <= SLOPE_RANGE[0] else "an infinite slope"
+            raise UserError(f"norm.alpha_init=calibrate sets alpha = 1 / (f'(0) std), and {function} has {what} "
+                            "at 0: use norm.alpha_init=alpha0 (and norm.alpha0) for it")
 
 
 def _summed(values: torch.Tensor) -> torch.Tensor:

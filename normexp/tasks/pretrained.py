@@ -104,7 +104,8 @@ def without_source_norm(weights: dict[str, Any], trained: dict[str, Any], norm: 
         target = build_backbone(trained["backbone"], norm)  # the same backbone with the new normalizer
     if device.type != "meta":
         own = source.state_dict()
-        source.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=False)
+        source.load_state_dict({k: v for k, v in weights.items() if k in own and v.shape == own[k].shape},
+                               strict=False)  # a head for other classes stays the source's fresh one
     source.eval()  # sigma-Reparam's power iteration stands still
     folded = []  # those of the weights given (not a head the source had and they lack)
     for prefix, module in source.named_modules():
