@@ -60,8 +60,8 @@ def check_calibration(model: nn.Module) -> None:
         slope = slope_at_zero(function)
         if not SLOPE_RANGE[0] < abs(slope) < SLOPE_RANGE[1]:
             what = "slope 0" if abs(slope) <= SLOPE_RANGE[0] else "an infinite slope"
-            raise UserError(f"norm.alpha_init=calibrate sets alpha = 1 / (f'(0) std), and {function} has {what} "
-                            "at 0: use norm.alpha_init=alpha0 (and norm.alpha0) for it")
+            raise UserError(f"norm.alpha_init=calibrate sets alpha = 1 / (f'(0) std), and {function} has "
+                            f"{what} at 0: use norm.alpha_init=alpha0 (and norm.alpha0) for it")
 
 
 def _summed(values: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,8 @@ def test_a_weight_file_converts_to_dyt_keeping_each_layernorms_affine(weight_fil
     for name in ("blocks.0.norm1", "blocks.5.norm2", "norm"):
         layer = model.get_submodule(name)
         assert isinstance(layer, DyT)
-        assert torch.equal(layer.weight, state[f"{name}.weight"]) and torch.equal(layer.bias, state[f"{name}.bias"])
+        assert torch.equal(layer.weight, state[f"{name}.weight"])
+        assert torch.equal(layer.bias, state[f"{name}.bias"])
     # quick_cfg's digits are 8 px: the 16 px position table was resampled by timm's checkpoint_filter_fn
     assert model.pos_embed.shape[1] == 1 + 4 * 4
     assert torch.equal(model.blocks[3].attn.qkv.weight, state["blocks.3.attn.qkv.weight"])
@@ -106,7 +107,7 @@ def test_r2_and_calibrated_alpha_equal_a_direct_computation(weight_files):
     for entry in report["layers"]:
         x = torch.cat([a.flatten() for a, _ in seen[entry["layer"]]]).double().numpy()
         assert entry["input_std"] == pytest.approx(x.std(), rel=1e-9)
-        assert entry["alpha"] == pytest.approx(math.sqrt(math.pi) / 2 / x.std(), rel=1e-5)  # erf'(0) = 2/sqrt(pi)
+        assert entry["alpha"] == pytest.approx(math.sqrt(math.pi) / 2 / x.std(), rel=1e-5)  # 1 / erf'(0)
         layer = model.get_submodule(entry["layer"])
         with torch.no_grad():
             y = np.concatenate([out.flatten().double().numpy() for _, out in seen[entry["layer"]]])
@@ -147,9 +148,9 @@ def test_a_timm_name_loads_from_an_offline_cache(tmp_path, monkeypatch):
 def test_foreign_weights_that_do_not_fit_or_cannot_calibrate_are_one_line(tmp_path, weight_files):
     other = tmp_path / "wide.safetensors"
     save_file(timm_vit(**{**MICRO, "embed_dim": 64}).state_dict(), other)
-    with pytest.raises(UserError, match=r"does not match the backbone ViT: shape mismatch .*'cls_token") as error:
+    with pytest.raises(UserError, match=r"does not match the backbone ViT: shape mismatch .*'cls_token") as e:
         validate(quick_cfg(f"task.pretrained={other}", "norm=dyt"))
-    assert "\n" not in str(error.value)
+    assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="needs? .*task.pretrained|give task.pretrained"):
         validate(quick_cfg("norm=dyt", "norm.alpha_init=calibrate"))
     with pytest.raises(UserError, match="cubsign has slope 0 at 0"):
