@@ -82,6 +82,8 @@ RECIPES = {
     "mae_finetune": (1024, 0, "update", 0, True, 0, 100, False, "fp16", None, None),
     "mae_finetune_large": (1024, 0, "update", 0, True, 0, 50, False, "fp16", None, None),
     "mae_linprobe": (16384, 0, "update", 0, True, 0, 90, False, "fp16", None, None),
+    # MAE's fine-tuning loop at arXiv 2605.14047's 20 epochs (the source's head and pooling kept)
+    "convert_finetune": (1024, 0, "update", 0, True, 0, 20, False, "fp16", None, None),
     # facebookresearch/dino utils.cosine_scheduler; DyT's DINO commands (32 x 32, 176 x 6); per-param clip
     "dino_vitb16": (1024, 0, "update", 0, True, 0, 400, False, None, 0.3, None),
     "dino_vitb8": (1056, 0, "update", 0, True, 0, 300, False, None, 3.0, None),

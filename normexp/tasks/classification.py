@@ -145,6 +145,8 @@ def load_pretrained(model: nn.Module, cfg: Any) -> tuple[dict[str, Any], nn.Modu
     device = next(model.parameters()).device
     if is_foreign(source):
         trained = foreign_source_config(cfg)
+        if cfg.norm.name == "ln":  # LayerNorm into LayerNorm: nothing to convert (eps is no weight)
+            trained["norm"] = OmegaConf.to_container(cfg.norm, resolve=True)
         with torch.device("cpu"):  # what the file is read into (its family's filter, .npz loading)
             holder = build_backbone(trained["backbone"], trained["norm"])
         weights, provenance = read_foreign(source, holder)
