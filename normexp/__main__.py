@@ -1,7 +1,8 @@
 """``normexp [group=option ...] [key=value ...]``: compose the config (Hydra), then run it (``normexp.run``).
 
 ``normexp <command> ...`` runs a tool instead: ``table``, ``compare``, ``dashboard``, ``sync``, ``analyze``,
-``figure`` (``normexp <command> --help``). A mistake on the command line is one ``error:`` line, exit 2.
+``figure``, ``export`` (``normexp <command> --help``). A mistake on the command line is one ``error:`` line,
+exit 2.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from . import command_line as said
 from .errors import Interrupted, UserError, one_line
 
 COMMANDS = {"table": "normexp.tables.cli", "compare": "normexp.compare", "dashboard": "normexp.dashboard",
-            "sync": "normexp.sync", "analyze": "normexp.analysis.cli", "figure": "normexp.analysis.figures"}
+            "sync": "normexp.sync", "analyze": "normexp.analysis.cli", "figure": "normexp.analysis.figures",
+            "export": "normexp.export"}
 composed = False  # from here on, an exception is the run's, not the command line's
 
 

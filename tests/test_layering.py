@@ -20,7 +20,7 @@ LAYERS = [
     {"tasks"},
     {"preflight"},  # the checks before any work: the schema, and what each task needs, asked of its registry
     {"run", "tables"},
-    {"compare", "dashboard", "sync", "analysis", "command_line"},
+    {"compare", "dashboard", "sync", "analysis", "command_line", "export"},
     {"__main__"},
 ]
 LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}

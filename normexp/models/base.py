@@ -1,8 +1,8 @@
 """The backbone contract every family in ``normexp/models`` derives from (docs/backbones.md): ``serves`` (what
 a task may ask of it), ``config_options`` (the constructor options its yaml shows), ``dense_weights``,
 ``features``, ``norm_context``, ``norm_keep``, ``no_weight_decay``, ``fixed_input_size``, ``residual_scales``,
-``input_embedding``, ``final_norms`` and ``branches_start_closed``. Put :class:`Backbone` last among a
-family's bases so its own methods win."""
+``input_embedding``, ``final_norms``, ``branches_start_closed``, ``affine_consumers`` and ``timm_twin``.
+Put :class:`Backbone` last among a family's bases so its own methods win."""
 
 from __future__ import annotations
 
@@ -58,6 +58,17 @@ class Backbone(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Parameter names exempt from weight decay (1-D parameters and biases always are)."""
         return set()
+
+    def affine_consumers(self) -> dict[str, tuple[str, ...]]:
+        """Norm slot -> the Linear layers that read only its output, through per-channel linear maps at most
+        (token selection, average pooling): where its affine folds (:mod:`normexp.models.fold`). None here."""
+        return {}
+
+    @classmethod
+    def timm_twin(cls, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """(timm's model name, its arguments) that build this model with ``kwargs`` (the constructor's) in
+        timm's own architecture, key for key, when its norms are timm's; None: no such model."""
+        return None
 
 
 def served(model: nn.Module) -> frozenset[str]:

@@ -86,6 +86,41 @@ class ViT(VisionTransformer, PlainBackbone):
             self.pyramid = SimpleFeaturePyramid(self.embed_dim, self.stride, tuple(pyramid_scales))
             self.feature_channels, self.feature_strides = self.pyramid.channels, self.pyramid.strides
 
+    def affine_consumers(self) -> dict[str, tuple[str, ...]]:
+        """Pre-LN blocks: ``norm1`` feeds only the attention's ``qkv``, ``norm2`` only the MLP's ``fc1``; the
+        final norm (``fc_norm`` after average pooling) feeds only the head, through class-token selection or
+        averaging, both per channel and linear. Every other position puts a norm on the residual stream, and
+        a pyramid reads the final norm's tokens: those norms keep their affine."""
+        if self.norm_position != "pre":
+            return {}
+        pairs = {}
+        for i in range(len(self.blocks)):
+            pairs[f"blocks.{i}.norm1"] = (f"blocks.{i}.attn.qkv",)
+            pairs[f"blocks.{i}.norm2"] = (f"blocks.{i}.mlp.fc1",)
+        final = "norm" if isinstance(self.fc_norm, nn.Identity) else "fc_norm"
+        pooled_linearly = self.global_pool in ("token", "avg") and self.pyramid is None
+        if pooled_linearly and isinstance(self.head, nn.Linear) and not isinstance(self.get_submodule(final),
+                                                                                   nn.Identity):
+            pairs[final] = ("head",)
+        return pairs
+
+    @classmethod
+    def timm_twin(cls, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """timm's ViT entrypoint of the same size (ViT-B/16's for sizes timm has not: every dim is in the
+        arguments, which override the entrypoint's) with ``kwargs``, when none of normexp's own options is
+        on and every argument is plain data (the DTN code's ViTs hand a LayerNorm class: no twin)."""
+        own = {"dtn_blocks": None, "pyramid_scales": None, "norm_position": "pre", "normformer": False,
+               "qk_norm": False}
+        if any(kwargs.get(option, default) != default for option, default in own.items()):
+            return None
+        args = {k: v for k, v in kwargs.items() if k not in own and k != "layer_scale"}
+        if kwargs.get("layer_scale") is not None:
+            args["init_values"] = kwargs["layer_scale"]
+        if not all(isinstance(v, (int, float, str, bool, list, tuple, type(None))) for v in args.values()):
+            return None
+        dims = (args.get("patch_size"), args.get("embed_dim"), args.get("depth"), args.get("num_heads"))
+        return TIMM_SIZES.get(dims, "vit_base_patch16_224"), args
+
     def _track_grid(self, _module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         grid = self.patch_embed.dynamic_feat_size(args[0].shape[-2:])
         self.grid_layout.set_grid(*grid)
@@ -140,6 +175,10 @@ def _dtn_code_vit(**kwargs: Any) -> ViT:
     trunc_normal_(model.cls_token, std=0.02)
     return model
 
+
+# timm's ViT entrypoints by (patch size, width, depth, heads): a twin's architecture name
+TIMM_SIZES = {(16, 192, 12, 3): "vit_tiny_patch16_224", (16, 384, 12, 6): "vit_small_patch16_224",
+              (16, 768, 12, 12): "vit_base_patch16_224", (16, 1024, 24, 16): "vit_large_patch16_224"}
 
 # DeiT's drop path, 0.1 for every size (its main.py), as the DTN code's train.py; the micro members have none
 DEIT = {"drop_path_rate": 0.1}

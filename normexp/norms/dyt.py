@@ -36,6 +36,7 @@ class DyT(nn.Module):
     hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {
         "alpha0": {"above": 0}, "squash": {"choices": sorted(SQUASH)},
         "kernels": {"choices": list(KERNEL_MODES)}, "alpha_init": {"choices": list(ALPHA_INITS)}}
+    output_affine = True  # gamma * squash(alpha x) + beta: the affine folds (normexp.models.fold)
 
     def __init__(self, dim: int, alpha0: float = 0.5, data_format: str = "channels_last",
                  squash: str = "tanh", learnable_alpha: bool = True, kernels: str = "auto",

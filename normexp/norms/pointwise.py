@@ -71,6 +71,7 @@ class PointWise(nn.Module):
     hparam_checks: ClassVar[dict[str, dict[str, Any]]] = {
         "fn": {"choices": FN_CHOICES}, "alpha0": {"above": 0}, "beta0": {"above": 0},
         "kernels": {"choices": list(KERNEL_MODES)}, "alpha_init": {"choices": list(ALPHA_INITS)}}
+    output_affine = True  # gamma * f(alpha x + s) + beta: the affine folds (normexp.models.fold)
 
     def __init__(self, dim: int, fn: str = "erf", alpha0: float = 0.5, shift0: float = 0.0,
                  learnable_shift: bool = True, beta0: float | None = None,
