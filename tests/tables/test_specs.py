@@ -78,7 +78,8 @@ RECIPES = {
                            "backbone.drop_path_rate": 0.2, "backbone.global_pool": "avg"},
     # MAE's fine-tuning shortened to arXiv 2605.14047's 20 epochs, the source's head and pooling kept
     "convert_finetune": {"trainer.epochs": 20, "trainer.warmup_epochs": 1, "trainer.lr": 5e-4,
-                         "trainer.layer_decay": 0.65, "backbone.global_pool": "token", "task.head_init_std": None,
+                         "trainer.layer_decay": 0.65, "backbone.global_pool": "token",
+                         "task.head_init_std": None,
                          "task.keep_pretrained_norm": False, "task.evaluate_start": True},
     # DyT's DINO commands (jiachenzhu/DyT other_tasks/DINO/README.md)
     "dino_vitb16": {"task.name": "dino", "trainer.epochs": 400, "trainer.lr": 7.5e-4, "trainer.min_lr": 2e-6,
