@@ -36,7 +36,8 @@ REFUSED = [
     (["norm=dtn", "norm.pool_size=0"], "norm.pool_size=0: must be >= 1"),
     (["norm=dyt", "norm.squash=nosuch"], "norm.squash=nosuch: must be one of hardtanh, identity, sigmoid, "),
     (["norm=dyt", "norm.alpha0=0"], "norm.alpha0=0.0: must be > 0"),
-    (["norm=dyt", "+norm.alpha=1"], "unknown config key norm.alpha: did you mean norm.alpha0? norm has "),
+    (["norm=dyt", "+norm.alpha=1"],
+     "unknown config key norm.alpha: did you mean norm.alpha0, norm.alpha_init? norm has "),
     (["norm=gn", "norm.groups=7"], "cannot build backbone 'vit_micro' with norm 'gn': GroupNorm: 7 groups "
                                    "must divide dim=96"),
     (["+backbone.depthh=3"], "cannot build backbone 'vit_micro' with norm 'ln': "),

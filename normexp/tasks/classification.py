@@ -181,16 +181,16 @@ def linear_head(model: nn.Module) -> nn.Linear:
     return head
 
 
-def start_from(model: nn.Module, cfg: Any, record: RunRecord, data: Any) -> dict[str, Any] | None:
-    """``task.pretrained``'s backbone weights into ``model`` (a conversion calibrated and compared on
-    ``task.calibration_batches`` training batches: :mod:`normexp.tasks.conversion`), ``task.head_init_std``,
-    and for ``task.linear_probe`` a frozen backbone under a batch-normalised linear head. Returns the
-    record's ``pretrained`` (None without a source)."""
+def start_from(model: nn.Module, cfg: Any, record: RunRecord, data: Any = None) -> dict[str, Any] | None:
+    """``task.pretrained``'s backbone weights into ``model`` (with ``data``, a conversion is calibrated and
+    compared on ``task.calibration_batches`` training batches: :mod:`normexp.tasks.conversion`),
+    ``task.head_init_std``, and for ``task.linear_probe`` a frozen backbone under a batch-normalised linear
+    head. Returns the record's ``pretrained`` (None without a source)."""
     source = cfg.task.get("pretrained")
     pretrained = None
     if source:
         report, source_model = load_pretrained(model, cfg)
-        if source_model is not None:
+        if source_model is not None and data is not None:
             report["converted"].update(compare_conversion(source_model, model, cfg, data))
         directory = resolve_source(source)  # a run directory, run:<run_id>, or a checkpoint file
         reached = read_summary(directory)["metrics"].get("final", {}) \
