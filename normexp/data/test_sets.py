@@ -1,9 +1,7 @@
-"""Test sets beyond ImageNet-C, scored as timm's ``validate.py`` scores them: ImageNet-ReaL (the validation
-images with the reassessed labels of Beyer et al., arXiv 2006.07159: an image is right when a prediction is
-any of its labels, images without labels left out), ImageNet-V2, -A and -R (200 classes: the logits
-restricted to them, as ``--valid-labels``) and -Sketch, from user-given roots; on the digits, stand-ins made
-from the digits' own validation images. Every image's target is a multi-hot row over the model's classes,
-so one counter scores single-label and multi-label sets alike."""
+"""Test sets beyond ImageNet-C, scored as timm's ``validate.py`` does: ImageNet-ReaL (any of an image's
+reassessed labels counts, arXiv 2006.07159), -V2, -A and -R (logits restricted to their 200 classes) and
+-Sketch, from user-given roots; on the digits, stand-ins. Targets are multi-hot rows over the model's classes,
+so one counter scores single- and multi-label sets."""
 
 from __future__ import annotations
 
@@ -26,8 +24,8 @@ IMAGENET_CLASSES = 1000
 
 @dataclass(frozen=True)
 class TestSet:
-    """A published test set: its results file in timm's ``results/`` folder, where it is published, and the
-    timm-packaged file of the ImageNet-1k classes it has (None: all 1000)."""
+    """A published test set: its file in timm's ``results/``, where it is published, and timm's file of
+    its ImageNet-1k classes (None: all 1000)."""
 
     name: str
     title: str
@@ -119,8 +117,7 @@ def labelled_files(test_set: TestSet, root: Path, labels_file: str | None) -> li
 
 
 class LabelledImages(Dataset):
-    """Image files and their labels, through ``transform``; an unreadable file is left out of its batch
-    (``data.on_bad_image``)."""
+    """Image files and their labels, through ``transform``; unreadable ones follow ``data.on_bad_image``."""
 
     def __init__(self, samples: list[tuple[str, list[int]]], transform: Any, num_classes: int,
                  on_bad_image: str, where: Path) -> None:

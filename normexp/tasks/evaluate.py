@@ -1,7 +1,6 @@
-"""Evaluate: a trained classifier's top-1 / top-5 on test sets beyond ImageNet-C (ImageNet-ReaL, -V2, -A,
--R, -Sketch; on the digits, stand-ins), one ``results-*.csv`` per set in the layout of timm's ``results/``
-folder, and the same figures in the record (``summary.json``: ``metrics.test_sets.<set>``) for tables.
-``task=evaluate task.checkpoint=<run>`` rebuilds the run's model as ``task=robustness`` does."""
+"""Evaluate: a trained classifier's top-1 / top-5 on ImageNet-ReaL, -V2, -A, -R and -Sketch (digits:
+stand-ins), one timm-style ``results-*.csv`` per set and ``summary.json`` ``metrics.test_sets.<set>``; the
+checkpoint's model is rebuilt as ``task=robustness`` does."""
 
 from __future__ import annotations
 
@@ -71,8 +70,8 @@ def load_test_set(name: str, cfg: Any) -> LoadedTestSet:
 # ---------------------------------------------------------------- scoring
 def count_hits(logits: torch.Tensor, targets: torch.Tensor, classes: list[int] | None,
                topk: tuple[int, ...] = TOPK) -> tuple[list[int], int]:
-    """(images with any of their labels among the top k, per k; images with a label) of a batch: logits
-    and multi-hot targets restricted to ``classes`` first; images without a label are left out."""
+    """(images with a label among their top k, per k; images with a label) of a batch, restricted to
+    ``classes`` first."""
     if classes is not None:
         logits, targets = logits[:, classes], targets[:, classes]
     labelled = targets.any(dim=1)
