@@ -132,6 +132,10 @@ def test_a_missing_root_or_wrong_classes_is_one_line_before_any_work(trees, tmp_
     with pytest.raises(UserError, match="class folder 'n01440764' is not one of its 200 classes "
                                         r"\(timm's imagenet_a_indices.txt\)"):
         run(evaluate_cfg(trees, f"task.roots.imagenet_a={foreign}"), tmp_path / "eval")
+    with pytest.raises(UserError, match="task.test_sets=\\['imagenet_c'\\]: choose from imagenet_real, "):
+        run(evaluate_cfg(trees, "task.test_sets=[imagenet_c]"), tmp_path / "eval")
+    with pytest.raises(UserError, match="task=evaluate needs task.checkpoint=<run dir or checkpoint file>"):
+        run(evaluate_cfg(trees, "task.checkpoint=null"), tmp_path / "eval")
     assert not (tmp_path / "eval").exists()
 
 
