@@ -95,8 +95,7 @@ def score(model: nn.Module, test_set: LoadedTestSet, batch_size: int, num_worker
             logits = model(batch[0].to(precision.device, non_blocking=True))
         hits, seen = count_hits(logits.float().cpu(), batch[1], test_set.classes)
         counts += torch.tensor([*hits, seen])
-    distributed.all_reduce_sum(counts)
-    *hits, seen = counts.tolist()
+    *hits, seen = distributed.all_reduce_sum(counts.to(precision.device)).tolist()  # NCCL: on the GPU
     if seen == 0:
         raise UserError(f"{test_set.spec.title}: none of its images could be read or has a label")
     metrics: dict[str, Any] = {}
