@@ -100,6 +100,7 @@ def check_alpha_init(value: str) -> str:
         raise ValueError(f"alpha_init must be one of {ALPHA_INITS}, got '{value}'")
     return value
 
+
 def _power23(u: Tensor) -> Tensor:
     """sign(u) |u|^(2/3) as exp(2/3 log|u|): a quarter of pow's time compiled on the CPU, within a few float32
     ulps."""
