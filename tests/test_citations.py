@@ -3,6 +3,7 @@ configs, tests and docs cite the paper (arXiv id, section / table / equation) or
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -23,7 +24,7 @@ def citing_files() -> set[str]:
             text = path.read_text()
         except UnicodeDecodeError:  # binary files
             continue
-        if any(note in text for note in NOTES):
+        if any(re.search(rf"(?<![\w-]){re.escape(note)}", text) for note in NOTES):  # not ln_to_dyt.md
             found.add(name)
     return found
 
