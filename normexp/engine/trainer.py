@@ -374,7 +374,27 @@ class Trainer:
         """``<prefix>/<metric>`` of ``model`` on the validation data (every process takes part)."""
         raise NotImplementedError
 
+    def evaluate_train(self, model: nn.Module, prefix: str) -> dict[str, float]:
+        """``<prefix>/loss`` (and what else the task scores) of ``model`` on its training data in evaluation
+        mode: test-time preprocessing, no drop path, Mixup, CutMix or label smoothing (every process takes
+        part); see :meth:`evaluate_fitting`."""
+        raise NotImplementedError
+
     # ---------------------------------------------------------------- results
+    def evaluate_fitting(self) -> dict[str, float]:
+        """The evaluation-mode training loss after training (Derf, arXiv 2512.10938v2, Sec. 6 and App. E,
+        Table 13: how well a model fits, free of the training-time regularisation), of the trained model
+        (``train_eval/``) and the EMA model (``ema/train_eval/``), into the final metrics, and of the
+        reported weights into the reported ones (``train_eval_loss``)."""
+        scores = self.evaluate_train(self.module, "train_eval")
+        if self.ema is not None:
+            scores.update(self.evaluate_train(self.ema.module, "ema/train_eval"))
+        self.metrics["final"].update(scores)
+        prefix = "ema/train_eval/" if self.ema is not None and self.cfg.ema.reported else "train_eval/"
+        self.metrics["reported"]["train_eval_loss"] = scores[f"{prefix}loss"]
+        log.info("evaluation-mode training loss: %s", "  ".join(f"{k}={v:.4g}" for k, v in scores.items()))
+        return scores
+
     def reported(self, final: dict[str, Any]) -> dict[str, Any]:
         """The final evaluation of the weights the recipe's paper reports (``trainer.ema.reported``: the EMA
         model's, else the trained model's), under plain names: ``{"weights": "ema", "top1": ...}``."""

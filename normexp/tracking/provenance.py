@@ -36,7 +36,8 @@ NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress
 # and the fidelity options whose old behaviour is one value (DINO's lr schedule and local-crop positions at
 # timm's, torchvision's crop sampler, sigma-Reparam's float32 sigma, TF32 off), and
 # task.allow_incomplete_source off (every run before it started from what it was given), and the conversion
-# settings at what every run computed before them (alpha at alpha0; the starting point not evaluated).
+# settings at what every run computed before them (alpha at alpha0; the starting point not evaluated), the
+# evaluation-mode training loss off and all of the training data (data.train_fraction 1).
 IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "trainer.lr_factor": 1.0,
                                      "backbone.norm_position": "pre", "backbone.qk_norm": False,
                                      "backbone.layer_scale": None, "backbone.normformer": False,
@@ -49,7 +50,8 @@ IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "
                                      "data.crop_sampler": "torchvision", "norm.float32_sigma": True,
                                      "trainer.tf32": False, "task.sigma_small": False,
                                      "task.allow_incomplete_source": False, "norm.alpha_init": "alpha0",
-                                     "task.evaluate_start": False, "task.calibration_batches": 4}
+                                     "task.evaluate_start": False, "task.calibration_batches": 4,
+                                     "task.eval_train_loss": False, "data.train_fraction": 1.0}
 
 
 def seed_everything(seed: int) -> None:
