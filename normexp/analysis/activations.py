@@ -1,12 +1,6 @@
-"""Per-layer activation statistics of every norm slot's input: its kurtosis and largest magnitude (the
-outlier measures of arXiv 2511.23225), and for point-wise layers (DyT, Derf, the ``pointwise`` family) the
-saturated fraction, the share of inputs in the flat part of the layer's function (arXiv 2604.23434, which
-counts DyT's inputs with ``|alpha x| > 2``).
-
-The saturation is read from the layer itself, so every function and option of the family is covered: an
-element-wise layer's slope at each input (autograd of its output) against its slope at input 0, the
-element saturated where the ratio is below ``tanh'(2) / tanh'(0)`` -- for DyT exactly ``|alpha x| > 2``.
-The per-channel affine cancels in the ratio."""
+"""Per-slot statistics of each norm slot's input: kurtosis and max |x| (arXiv 2511.23225) and, for point-wise
+layers, the saturated fraction (arXiv 2604.23434: DyT's share of ``|alpha x| > 2``), read from the layer: its
+slope at each input (autograd) below ``tanh'(2) / tanh'(0)`` times its slope at 0 (the affine cancels)."""
 
 from __future__ import annotations
 
@@ -27,7 +21,7 @@ def is_pointwise(module: nn.Module) -> bool:
 
 @dataclass
 class SlotMoments:
-    """Sums over every element of a slot's input (float64): count, powers 1-4, max |x|, saturated count."""
+    """Sums over a slot's input elements (float64): count, powers 1-4, max |x|, saturated count."""
 
     count: int = 0
     powers: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)

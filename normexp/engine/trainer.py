@@ -375,17 +375,14 @@ class Trainer:
         raise NotImplementedError
 
     def evaluate_train(self, model: nn.Module, prefix: str) -> dict[str, float]:
-        """``<prefix>/loss`` (and what else the task scores) of ``model`` on its training data in evaluation
-        mode: test-time preprocessing, no drop path, Mixup, CutMix or label smoothing (every process takes
-        part); see :meth:`evaluate_fitting`."""
+        """``<prefix>/loss`` (and more) of ``model`` on its training data in eval mode (evaluate_fitting)."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- results
     def evaluate_fitting(self) -> dict[str, float]:
-        """The evaluation-mode training loss after training (Derf, arXiv 2512.10938v2, Sec. 6 and App. E,
-        Table 13: how well a model fits, free of the training-time regularisation), of the trained model
-        (``train_eval/``) and the EMA model (``ema/train_eval/``), into the final metrics, and of the
-        reported weights into the reported ones (``train_eval_loss``)."""
+        """Derf's evaluation-mode training loss (arXiv 2512.10938v2, App. E, Table 13: test-time transform,
+        no drop path, Mixup, CutMix or smoothing) of the model and its EMA, into the final metrics
+        (``train_eval/``, ``ema/train_eval/``), and the reported weights' as ``reported.train_eval_loss``."""
         scores = self.evaluate_train(self.module, "train_eval")
         if self.ema is not None:
             scores.update(self.evaluate_train(self.ema.module, "ema/train_eval"))

@@ -220,9 +220,7 @@ class DiTTrainer(Trainer):
         return {f"{prefix}/loss": loss["loss"]}
 
     def evaluate_train(self, model: nn.Module, prefix: str) -> dict[str, float]:
-        """The diffusion loss (and its MSE term) on the first ``FIT_BATCHES`` batches of the first epoch's
-        training order, in evaluation mode (Derf, arXiv 2512.10938v2, App. E: DiT's training preprocessing,
-        its flip included, is its test-time one)."""
+        """On the first epoch's first ``FIT_BATCHES`` training batches (Derf App. E: the flip is kept)."""
         set_epoch(self.data.train, 0)
         loss = self.diffusion_loss(model, itertools.islice(self.data.train, FIT_BATCHES), self.generator(2))
         return {f"{prefix}/{name}": value for name, value in loss.items()}
@@ -230,8 +228,7 @@ class DiTTrainer(Trainer):
     @torch.no_grad()
     def diffusion_loss(self, model: nn.Module, batches: Iterable[Any],
                        generator: torch.Generator) -> dict[str, float]:
-        """The mean per-image diffusion loss and MSE over ``batches`` (over all processes), at steps and noise
-        drawn from ``generator``."""
+        """Mean diffusion loss and MSE over ``batches`` (all processes); steps, noise from ``generator``."""
         model.eval()
         total = torch.zeros(3, dtype=torch.float64, device=self.device)
         for batch in batches:
