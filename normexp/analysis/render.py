@@ -271,15 +271,15 @@ def plot_activations(runs: list[LabelledRun], path: Path, title: str = "", capti
     plt = _plt()
     fig, axes = plt.subplots(1, len(ACTIVATION_PANELS), figsize=(5 * len(ACTIVATION_PANELS), 4.2))
     rows = []
-    for shown in runs:
+    for k, shown in enumerate(runs):  # runs of one normalizer share its colour: a line style each
         layers = shown.analysis.activations or []
         for depth, layer in enumerate(layers):
             rows.append({"run": shown.label, "depth": depth, **layer})
         for ax, (key, _, _) in zip(axes, ACTIVATION_PANELS, strict=True):
             values = [_finite(layer[key]) for layer in layers]
             if any(v is not None for v in values):
-                ax.plot(range(len(layers)), [np.nan if v is None else v for v in values], marker=".",
-                        color=shown.color, label=shown.title)
+                ax.plot(range(len(layers)), [np.nan if v is None else v for v in values], color=shown.color,
+                        marker="osD^vP"[k % 6], ms=4, ls=("-", "--", ":", "-.")[k % 4], label=shown.title)
     for ax, (_, label, scale) in zip(axes, ACTIVATION_PANELS, strict=True):
         ax.set_xlabel("norm slot (depth order)")
         ax.set_ylabel(label)
