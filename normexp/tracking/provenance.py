@@ -35,9 +35,10 @@ NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress
 # normalizers' and LeViT's stem stride and T2T-ViT's soft split (shown before by their micro sizes only),
 # and the fidelity options whose old behaviour is one value (DINO's lr schedule and local-crop positions at
 # timm's, torchvision's crop sampler, sigma-Reparam's float32 sigma, TF32 off), and
-# task.allow_incomplete_source off (every run before it started from what it was given), and the conversion
-# settings at what every run computed before them (alpha at alpha0; the starting point not evaluated), the
-# evaluation-mode training loss off and all of the training data (data.train_fraction 1).
+# task.allow_incomplete_source off (every run before it started from what it was given), the conversion
+# settings at what every run computed before them (alpha at alpha0; the starting point not evaluated),
+# norm=pointwise's function options (Derf's property studies) at the plain function with a scalar shift, and
+# the evaluation-mode training loss off and all of the training data (data.train_fraction 1).
 IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "trainer.lr_factor": 1.0,
                                      "backbone.norm_position": "pre", "backbone.qk_norm": False,
                                      "backbone.layer_scale": None, "backbone.normformer": False,
@@ -51,7 +52,10 @@ IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "
                                      "trainer.tf32": False, "task.sigma_small": False,
                                      "task.allow_incomplete_source": False, "norm.alpha_init": "alpha0",
                                      "task.evaluate_start": False, "task.calibration_batches": 4,
-                                     "task.eval_train_loss": False, "data.train_fraction": 1.0}
+                                     "norm.vector_shift": False, "norm.output_shift": 0.0, "norm.clip": None,
+                                     "norm.blend": 0.0, "norm.flat": 0.0, "norm.negate": False,
+                                     "norm.prescale": 1.0, "task.eval_train_loss": False,
+                                     "data.train_fraction": 1.0}
 
 
 def seed_everything(seed: int) -> None:

@@ -24,8 +24,9 @@ C = 4
 LAYOUTS = {"tokens": ((2, 3, C), "channels_last"), "map_channels_first": ((2, C, 3, 2), "channels_first")}
 NORMS = [*FN_CHOICES, "rms"]
 # where a slope jumps or is infinite: the clips' boundaries (linear, satursin, power23: |u| = 1 or pi/2;
-# logsign: log(1 + |u|) = 1; logquad: log(1 + u^2) = 1) and u = 0 (sign)
-KINKS = torch.tensor([0.0, 1.0, math.pi / 2, math.e - 1, math.sqrt(math.e - 1)], dtype=torch.float64)
+# logsign: log(1 + |u|) = 1; logquad: log(1 + u^2) = 1; arcsinh: asinh(u) = 1) and u = 0 (sign)
+KINKS = torch.tensor([0.0, 1.0, math.pi / 2, math.e - 1, math.sqrt(math.e - 1), math.sinh(1)],
+                     dtype=torch.float64)
 
 
 def build(norm: str, kernels: str, fmt: str = "channels_last", **kw) -> nn.Module:
