@@ -187,6 +187,7 @@ class LoaderFields:
 
 @dataclass
 class DigitsSchema(LoaderFields):
+    train_fraction: float = _check(above=0, max=1)
     val_fraction: float = _check(above=0, max=0.9)
     split_seed: int
     imagenet_c_root: str | None
@@ -194,6 +195,7 @@ class DigitsSchema(LoaderFields):
 
 @dataclass
 class ImageNetSchema(LoaderFields):
+    train_fraction: float = _check(above=0, max=1)
     root: str | None
     imagenet_c_root: str | None
     train_split: str

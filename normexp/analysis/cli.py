@@ -1,6 +1,6 @@
 """``normexp analyze``: look inside a trained run (its norm slots, DyT's alpha, token magnitudes, attention).
 
-    normexp analyze <run dir> [--figures io,alpha,tokens,attention] [--images 16] [--seed 0]
+    normexp analyze <run dir> [--figures io,alpha,tokens,attention,activations] [--images 16] [--seed 0]
                     [--slots 'blocks.*.norm1'] [--max-slots 36] [--token-slot NAME] [--no-ema]
 
 Rebuilds the model from the run's record (resolved config + checkpoint; the EMA weights where its recipe
@@ -18,6 +18,8 @@ slot hooked, and writes ``<run dir>/analysis/``: one PNG per figure and the numb
   (``--token-slot``; default the first block's first norm) for the first image (DTN arXiv 2112.02624 Fig. 1);
 * ``attention.png`` + ``attention.csv``: mean attention distance per head and layer (the DTN README's
   ``DTN_Head.png``; ViT arXiv 2010.11929 Fig. 7);
+* ``activations.png`` + ``activations.csv``: per norm slot, its input's kurtosis and max |x| (arXiv
+  2511.23225) and, for point-wise layers, the saturated fraction (arXiv 2604.23434; ``activations.py``);
 * ``summary.json``: the run, the weights, the images, the files, and a note for every figure that does not
   apply to this model (no DyT layer; no global attention).
 
@@ -49,6 +51,7 @@ from .render import (
     LabelledRun,
     alpha_history_rows,
     io_point_rows,
+    plot_activations,
     plot_alpha,
     plot_attention,
     plot_io,
@@ -96,6 +99,10 @@ def write_analysis(analysis: RunAnalysis, out: Path, label: str | None = None) -
         note(out / "alpha.csv")
         write_rows(out / "alpha_history.csv", alpha_history_rows([shown]))
         note(out / "alpha_history.csv")
+    if analysis.activations is not None:
+        write_rows(out / "activations.csv", plot_activations([shown], out / "activations.png"))
+        note(out / "activations.png")
+        note(out / "activations.csv")
     if analysis.tokens is not None:
         write_rows(out / "tokens.json", plot_tokens([shown], out / "tokens.png"))
         note(out / "tokens.png")

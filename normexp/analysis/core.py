@@ -20,12 +20,13 @@ from ..engine.checkpoint import load_checkpoint, load_model_state
 from ..errors import UserError
 from ..models import build_backbone
 from ..tracking.records import logged_rows, read_config, read_summary
+from .activations import ActivationRecorder
 from .attention import AttentionRecorder, AttentionResult
 from .io import IOSampler, SlotSample, io_numbers, scalar_alpha
 from .slots import hooked_slots, norm_slot_names
 from .tokens import TokenMaps, TokenRecorder, default_token_slot
 
-ANALYSES = ("io", "alpha", "tokens", "attention")
+ANALYSES = ("io", "alpha", "tokens", "attention", "activations")
 BATCH = 32
 MAX_IO_SLOTS = 36  # panels of the io figure of one run (evenly spaced in depth beyond that)
 
@@ -165,6 +166,7 @@ class RunAnalysis:
     alpha_history: dict[str, list[tuple[int, float, float]]] | None = None
     tokens: TokenMaps | None = None
     attention: AttentionResult | None = None
+    activations: list[dict[str, Any]] | None = None  # per slot, in depth order (:mod:`.activations`)
     notes: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -242,6 +244,9 @@ def analyse(run: LoadedRun, analyses: list[str], images: int = 16, seed: int = 0
         tokens = TokenRecorder(model, slot)
         callbacks.append(([slot], tokens))
     attention = AttentionRecorder(model, result.image_size) if "attention" in analyses else None
+    activations = ActivationRecorder() if "activations" in analyses else None
+    if activations is not None:
+        callbacks.append((slots, activations))
 
     def dispatch(name: str, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         for names, callback in callbacks:
@@ -272,6 +277,8 @@ def analyse(run: LoadedRun, analyses: list[str], images: int = 16, seed: int = 0
             result.notes["alpha"] = ["metrics.jsonl logs no alpha per epoch (a run trained before the "
                                      "per-epoch alpha log): the over-training panel is empty; re-train to "
                                      "fill it"]
+    if activations is not None:
+        result.activations = activations.rows()
     if tokens is not None:
         result.tokens = tokens.maps
     if attention is not None:

@@ -6,16 +6,16 @@
     normexp figure render dtn_attention --scale smoke      # re-render from the run records only
 
 A figure spec (``configs/figure/<id>.yaml``) says which runs (``blocks``: Hydra sweeps, as a table's), which
-analysis (``io``, ``alpha``, ``tokens``, ``attention`` of the trained models, or ``stability``: the runs'
-outcomes on a grid of two swept settings, ``grid: {x, y, panels}``) and which layers. Its runs are planned
-by the table planner, so a run another table or figure already has (the same resolved config) is reused,
-not trained again, and missing ones are launched by the table sweeper through any Hydra launcher (into
-``<output root>/tables/<scale>/figure-<id>/``). ``run`` then analyses each row's run (its first seed) and
-renders ``results/figures/<id>.png`` with the runs side by side, ``<id>.json`` (the figure, its runs and
-the numbers) and, per analysis, ``<id>.csv`` / ``<id>_points.csv`` / ``<id>_history.csv``; the figures
-section of ``results/README.md`` indexes them. Everything is computed before a file is written. Exit code:
-2 for bad input (an unknown figure), 1 when a run the figure needs has no result (after rendering the
-others), 0 otherwise.
+analysis (``io``, ``alpha``, ``tokens``, ``attention``, ``activations`` of the trained models, or
+``stability``: the runs' outcomes on a grid of two swept settings, ``grid: {x, y, panels}``) and which
+layers. Its runs are planned by the table planner, so a run another table or figure already has (the same
+resolved config) is reused, not trained again, and missing ones are launched by the table sweeper through
+any Hydra launcher (into ``<output root>/tables/<scale>/figure-<id>/``). ``run`` then analyses each row's
+run (its first seed) and renders ``results/figures/<id>.png`` with the runs side by side, ``<id>.json``
+(the figure, its runs and the numbers) and, per analysis, ``<id>.csv`` / ``<id>_points.csv`` /
+``<id>_history.csv``; the figures section of ``results/README.md`` indexes them. Everything is computed
+before a file is written. Exit code: 2 for bad input (an unknown figure), 1 when a run the figure needs has
+no result (after rendering the others), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from .render import (
     LabelledRun,
     alpha_history_rows,
     io_point_rows,
+    plot_activations,
     plot_alpha,
     plot_attention,
     plot_io,
@@ -279,6 +280,9 @@ def render_figure(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_
             numbers = plot_alpha(shown, png, title=title, caption=caption)
             extra[".csv"] = numbers
             extra["_history.csv"] = alpha_history_rows(shown)
+        elif spec.analysis == "activations":
+            numbers = plot_activations(shown, png, title=title, caption=caption)
+            extra[".csv"] = numbers
         elif spec.analysis == "tokens":
             numbers = plot_tokens(shown, png, title=title, caption=caption)
         else:

@@ -259,6 +259,42 @@ def plot_alpha(runs: list[LabelledRun], path: Path, title: str = "", caption: st
     return rows
 
 
+# ---------------------------------------------------------------- activation statistics
+ACTIVATION_PANELS = (("kurtosis", "kurtosis of the input", "log"), ("max_abs", "max |input|", "log"),
+                     ("saturated_fraction", "saturated fraction (point-wise layers)", "linear"))
+
+
+def plot_activations(runs: list[LabelledRun], path: Path, title: str = "", caption: str = ""
+                     ) -> list[dict[str, Any]]:
+    """Per norm slot in depth order, each run a line in its normalizer's colour: the input's kurtosis and
+    largest magnitude, and the saturated fraction of point-wise layers (:mod:`.activations`)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(ACTIVATION_PANELS), figsize=(5 * len(ACTIVATION_PANELS), 4.2))
+    rows = []
+    for k, shown in enumerate(runs):  # runs of one normalizer share its colour: a line style each
+        layers = shown.analysis.activations or []
+        for depth, layer in enumerate(layers):
+            rows.append({"run": shown.label, "depth": depth, **layer})
+        for ax, (key, _, _) in zip(axes, ACTIVATION_PANELS, strict=True):
+            values = [_finite(layer[key]) for layer in layers]
+            if any(v is not None for v in values):
+                ax.plot(range(len(layers)), [np.nan if v is None else v for v in values], color=shown.color,
+                        marker="osD^vP"[k % 6], ms=4, ls=("-", "--", ":", "-.")[k % 4], label=shown.title)
+    for ax, (_, label, scale) in zip(axes, ACTIVATION_PANELS, strict=True):
+        ax.set_xlabel("norm slot (depth order)")
+        ax.set_ylabel(label)
+        if ax.lines:
+            ax.set_yscale(scale)
+            ax.legend(fontsize=7, frameon=False)
+        else:
+            ax.text(0.5, 0.5, "no point-wise layer", ha="center", va="center", transform=ax.transAxes,
+                    color="#666666")
+    fig.suptitle(title or f"{runs[0].title}: activation statistics per norm slot")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    _save(fig, path, caption)
+    return rows
+
+
 def alpha_history_rows(runs: list[LabelledRun]) -> list[dict[str, Any]]:
     return [{"run": shown.label, "slot": slot, "epoch": epoch, "alpha": alpha, "input_std": std,
              "inverse_std": 1 / std if std else None}

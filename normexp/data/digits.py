@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
-from .loaders import ClassificationData, ImageSpec, TrainTransform, TransformedImages, make_loader
+from .loaders import (
+    ClassificationData,
+    ImageSpec,
+    TrainTransform,
+    TransformedImages,
+    make_loader,
+    stratified_subset,
+)
 
 NUM_CLASSES = 10
 
@@ -44,10 +51,13 @@ def standardisation(arrays: dict[str, np.ndarray]) -> tuple[float, float]:
 
 def build_digits(cfg, seed: int, train_transform: TrainTransform | None = None, eval_train: bool = False,
                  eval_transform: TrainTransform | None = None) -> ClassificationData:
-    """The digits' loaders; ``train_transform`` / ``eval_transform``: a task's own (they get the images in
-    [0, 1], 3 channels), else the images standardised and nothing else."""
+    """The digits' loaders (the training split's ``data.train_fraction``, seeded by ``seed``);
+    ``train_transform`` / ``eval_transform``: a task's own (they get the images in [0, 1], 3 channels), else
+    the images standardised and nothing else."""
     arrays = digits_arrays(cfg.img_size, cfg.val_fraction, cfg.split_seed)
-    mean, std = standardisation(arrays)
+    mean, std = standardisation(arrays)  # the whole split's: a subset changes the images seen, not the inputs
+    keep = stratified_subset(arrays["train_labels"], cfg.train_fraction, seed)
+    arrays.update({f"train_{key}": arrays[f"train_{key}"][keep] for key in ("images", "labels", "ids")})
     spec = ImageSpec(cfg.img_size, (mean,) * 3, (std,) * 3)
 
     def dataset(split: str, transform: TrainTransform | None) -> Dataset:

@@ -6,16 +6,18 @@ sorted into class folders, as the usual ``valprep.sh`` does).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch.utils.data import DataLoader, default_collate
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import UserError
 from .images import BadImages, class_folders, folder_key, image_files, load_rgb
-from .loaders import ClassificationData, ImageSpec, TrainTransform, make_loader
+from .loaders import ClassificationData, ImageSpec, TrainTransform, make_loader, stratified_subset
 from .transforms import build_transforms
 
 LAYOUT = "<root>/train/<wnid>/*.JPEG and <root>/val/<wnid>/*.JPEG"
@@ -58,8 +60,12 @@ class SafeImageFolder(ImageFolder):
     in evaluation it is left out of its batch, so every image is counted at most once), 16-bit images
     scaled, and symbolic links followed once each (:func:`image_files`)."""
 
-    def __init__(self, root: Path, transform: Any, on_bad_image: str, replace: bool = False) -> None:
+    def __init__(self, root: Path, transform: Any, on_bad_image: str, replace: bool = False,
+                 keep: Callable[[list[int]], np.ndarray] | None = None) -> None:
         super().__init__(root, transform=transform, loader=load_rgb)
+        if keep is not None:  # a subset of the images (data.train_fraction), chosen from their labels
+            self.samples = self.imgs = [self.samples[i] for i in keep(self.targets)]
+            self.targets = [label for _, label in self.samples]
         self.replace = replace
         self.bad = BadImages([path for path, _ in self.samples], on_bad_image, root)
 
@@ -90,15 +96,18 @@ def collate_readable(batch: list[Any]) -> Any:
 
 def build_imagenet(cfg, seed: int, train_transform: TrainTransform | None = None, eval_train: bool = False,
                    eval_transform: TrainTransform | None = None) -> ClassificationData:
-    """ImageNet's loaders; ``train_transform`` / ``eval_transform``: a task's own (they get PIL images),
-    else DeiT's."""
+    """ImageNet's loaders (the training folder's ``data.train_fraction``, seeded by ``seed``);
+    ``train_transform`` / ``eval_transform``: a task's own (they get PIL images), else DeiT's."""
     check_imagefolder_root(cfg.root, (cfg.train_split, cfg.val_split), cfg.num_classes)
     root = Path(cfg.root)
     on_bad = cfg.get("on_bad_image", "skip")
     spec = ImageSpec(cfg.img_size, tuple(cfg.mean), tuple(cfg.std))
     training = build_transforms(cfg, is_training=True) if train_transform is None else train_transform(spec)
     evaluation = build_transforms(cfg, is_training=False) if eval_transform is None else eval_transform(spec)
-    train = SafeImageFolder(root / cfg.train_split, training, on_bad, replace=True)
+    def subset(labels: list[int]) -> np.ndarray:
+        return stratified_subset(labels, cfg.train_fraction, seed)
+
+    train = SafeImageFolder(root / cfg.train_split, training, on_bad, replace=True, keep=subset)
     val = SafeImageFolder(root / cfg.val_split, evaluation, on_bad)
     pin = cfg.get("pin_memory", True)
 
@@ -113,6 +122,6 @@ def build_imagenet(cfg, seed: int, train_transform: TrainTransform | None = None
         num_classes=cfg.num_classes,
         img_size=cfg.img_size,
         in_chans=3,
-        train_eval=evaluation_loader(SafeImageFolder(root / cfg.train_split, evaluation, on_bad))
+        train_eval=evaluation_loader(SafeImageFolder(root / cfg.train_split, evaluation, on_bad, keep=subset))
         if eval_train else None,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,18 @@ class TransformedImages(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Any, torch.Tensor]:
         return self.transform(self.images[index]), self.labels[index]
+
+
+def stratified_subset(labels: Sequence[int] | np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """``data.train_fraction``: the indices (ascending) of a seeded share ``fraction`` of each class --
+    ``round(fraction x its count)``, at least one image -- so the subset keeps the classes' proportions."""
+    labels = np.asarray(labels)
+    if fraction >= 1:
+        return np.arange(len(labels))
+    generator = np.random.default_rng(seed)
+    kept = [generator.permutation(members)[:max(1, round(fraction * len(members)))]
+            for members in (np.flatnonzero(labels == c) for c in np.unique(labels))]
+    return np.sort(np.concatenate(kept))
 
 
 def default_cache_dir(kind: str) -> Path:

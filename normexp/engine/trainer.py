@@ -374,7 +374,24 @@ class Trainer:
         """``<prefix>/<metric>`` of ``model`` on the validation data (every process takes part)."""
         raise NotImplementedError
 
+    def evaluate_train(self, model: nn.Module, prefix: str) -> dict[str, float]:
+        """``<prefix>/loss`` (and more) of ``model`` on its training data in eval mode (evaluate_fitting)."""
+        raise NotImplementedError
+
     # ---------------------------------------------------------------- results
+    def evaluate_fitting(self) -> dict[str, float]:
+        """Derf's evaluation-mode training loss (arXiv 2512.10938v2, App. E, Table 13: test-time transform,
+        no drop path, Mixup, CutMix or smoothing) of the model and its EMA, into the final metrics
+        (``train_eval/``, ``ema/train_eval/``), and the reported weights' as ``reported.train_eval_loss``."""
+        scores = self.evaluate_train(self.module, "train_eval")
+        if self.ema is not None:
+            scores.update(self.evaluate_train(self.ema.module, "ema/train_eval"))
+        self.metrics["final"].update(scores)
+        prefix = "ema/train_eval/" if self.ema is not None and self.cfg.ema.reported else "train_eval/"
+        self.metrics["reported"]["train_eval_loss"] = scores[f"{prefix}loss"]
+        log.info("evaluation-mode training loss: %s", "  ".join(f"{k}={v:.4g}" for k, v in scores.items()))
+        return scores
+
     def reported(self, final: dict[str, Any]) -> dict[str, Any]:
         """The final evaluation of the weights the recipe's paper reports (``trainer.ema.reported``: the EMA
         model's, else the trained model's), under plain names: ``{"weights": "ema", "top1": ...}``."""

@@ -89,6 +89,14 @@ class ClassificationTrainer(Trainer):
                                    desc=prefix)
         return classification_metrics(counts, ("top1", "top5"), prefix)
 
+    def evaluate_train(self, model: nn.Module, prefix: str) -> dict[str, float]:
+        """The training images through the evaluation transform, scored with plain cross-entropy (Derf,
+        arXiv 2512.10938v2, App. E: centre crop and normalisation, averaged over the whole training set)."""
+        topk = (1, min(5, self.data.num_classes))
+        counts = count_predictions(model, self.data.train_eval, self.precision, topk=topk,
+                                   progress=self.progress, desc=prefix)
+        return classification_metrics(counts, ("top1", "top5"), prefix)
+
 
 def check_classification(cfg: Any) -> None:
     """Before any work: the settings of the corruption evaluation after training, when it is on; the
@@ -242,7 +250,7 @@ def start_head(model: nn.Module, cfg: Any) -> None:
 
 
 def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
-    data = build_classification_data(cfg.data, cfg.seed)
+    data = build_classification_data(cfg.data, cfg.seed, eval_train=cfg.task.eval_train_loss)
     model = build_backbone(cfg.backbone, cfg.norm)
     pretrained = start_from(model, cfg, record, data)
     record.update(params=count_params(model),
@@ -258,6 +266,8 @@ def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
         record.update(pretrained={**pretrained, "start": {k.split("/", 1)[1]: v for k, v in start.items()}})
         log.info("before fine-tuning: %s", "  ".join(f"{k}={v:.4g}" for k, v in start.items()))
     metrics = trainer.fit()
+    if cfg.task.eval_train_loss:
+        trainer.evaluate_fitting()
     record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
     if robustness:  # the final model, into this record
         evaluated = trainer.ema.module if settings.ema else trainer.module

@@ -10,11 +10,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from torchvision.transforms import v2
 from .. import distributed
 from ..data import ImageSpec, build_classification_data
 from ..data.digits import digits_arrays
-from ..data.loaders import default_cache_dir, make_loader
+from ..data.loaders import default_cache_dir, make_loader, set_epoch
 from ..diffusion import GaussianDiffusion, guided, spaced_steps
 from ..engine.checkpoint import (
     checkpoint_run_config,
@@ -182,6 +183,9 @@ def dit_views(hflip: float) -> Any:
 
 
 # ---------------------------------------------------------------- training
+FIT_BATCHES = 100  # Derf's evaluation-mode training loss of DiT (arXiv 2512.10938v2, App. E)
+
+
 class DiTTrainer(Trainer):
     """The common loop with the diffusion loss; evaluation: that loss at fixed steps and noise."""
 
@@ -211,24 +215,35 @@ class DiTTrainer(Trainer):
         rank = distributed.info().rank
         return torch.Generator().manual_seed((self.seed * 1_000_003 + stream) * 1_009 + rank)
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, prefix: str) -> dict[str, float]:
+        loss = self.diffusion_loss(model, self.data.val, self.generator(0))
+        return {f"{prefix}/loss": loss["loss"]}
+
+    def evaluate_train(self, model: nn.Module, prefix: str) -> dict[str, float]:
+        """On the first epoch's first ``FIT_BATCHES`` training batches (Derf App. E: the flip is kept)."""
+        set_epoch(self.data.train, 0)
+        loss = self.diffusion_loss(model, itertools.islice(self.data.train, FIT_BATCHES), self.generator(2))
+        return {f"{prefix}/{name}": value for name, value in loss.items()}
+
+    @torch.no_grad()
+    def diffusion_loss(self, model: nn.Module, batches: Iterable[Any],
+                       generator: torch.Generator) -> dict[str, float]:
+        """Mean diffusion loss and MSE over ``batches`` (all processes); steps, noise from ``generator``."""
         model.eval()
-        generator = self.generator(0)
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in self.data.val:
+        total = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for batch in batches:
             if batch is None:
                 continue
             x = self.to_model_space(batch[0].to(self.device), generator)
             t = torch.randint(0, self.diffusion.num_steps, (len(x),), generator=generator).to(self.device)
             noise = torch.randn(x.shape, generator=generator).to(self.device)
             with self.precision.autocast():
-                loss = self.diffusion.training_losses(model, x, t, noise, y=batch[1].to(self.device))["loss"]
-            total += torch.stack([loss.double().sum(), torch.tensor(float(len(x)), device=self.device,
-                                                                     dtype=torch.float64)])
+                terms = self.diffusion.training_losses(model, x, t, noise, y=batch[1].to(self.device))
+            total += torch.stack([terms["loss"].double().sum(), terms["mse"].double().sum(),
+                                  torch.tensor(float(len(x)), device=self.device, dtype=torch.float64)])
         total = distributed.all_reduce_sum(total)
         model.train()
-        return {f"{prefix}/loss": float(total[0] / total[1])}
+        return {"loss": float(total[0] / total[2]), "mse": float(total[1] / total[2])}
 
     def probe_forward(self) -> Forward:
         """The probe images noised halfway with fixed noise."""
@@ -483,6 +498,8 @@ def run_dit(cfg: Any, record: RunRecord) -> dict[str, Any]:
     trainer = DiTTrainer(cfg.trainer, model, data, record, diffusion, codec, cfg.seed,
                          get_probes(cfg.task.get("probes")))
     metrics = trainer.fit()
+    if cfg.task.eval_train_loss:
+        trainer.evaluate_fitting()
     weights = trainer.ema.module if trainer.ema is not None and cfg.trainer.ema.reported else trainer.module
     prefix = "ema/val" if weights is not trainer.module else "val"
     scores = sample_and_score(cfg, weights, trainer.codec, record, trainer.device, trainer.update,

@@ -36,8 +36,9 @@ NON_IDENTITY_KEYS = ("logger", "table", "launcher", "plugins", "trainer.progress
 # and the fidelity options whose old behaviour is one value (DINO's lr schedule and local-crop positions at
 # timm's, torchvision's crop sampler, sigma-Reparam's float32 sigma, TF32 off), and
 # task.allow_incomplete_source off (every run before it started from what it was given), the conversion
-# settings at what every run computed before them (alpha at alpha0; the starting point not evaluated), and
-# norm=pointwise's function options (Derf's property studies) at the plain function with a scalar shift.
+# settings at what every run computed before them (alpha at alpha0; the starting point not evaluated),
+# norm=pointwise's function options (Derf's property studies) at the plain function with a scalar shift, and
+# the evaluation-mode training loss off and all of the training data (data.train_fraction 1).
 IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "trainer.lr_factor": 1.0,
                                      "backbone.norm_position": "pre", "backbone.qk_norm": False,
                                      "backbone.layer_scale": None, "backbone.normformer": False,
@@ -53,7 +54,8 @@ IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "
                                      "task.evaluate_start": False, "task.calibration_batches": 4,
                                      "norm.vector_shift": False, "norm.output_shift": 0.0, "norm.clip": None,
                                      "norm.blend": 0.0, "norm.flat": 0.0, "norm.negate": False,
-                                     "norm.prescale": 1.0}
+                                     "norm.prescale": 1.0, "task.eval_train_loss": False,
+                                     "data.train_fraction": 1.0}
 
 
 def seed_everything(seed: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from pathlib import Path
@@ -65,6 +66,10 @@ def test_analyze_writes_every_figure_of_every_family(tmp_path, backbone, norm):
     io = json.loads((out / "io.json").read_text())
     slots = summary["slots"]  # every norm slot; the io figure draws 3, evenly spaced in depth
     assert [row["slot"] for row in io] == [slots[round(i * (len(slots) - 1) / 2)] for i in range(3)]
+    with (out / "activations.csv").open() as f:  # every slot; a saturated fraction for DyT's only
+        activations = list(csv.DictReader(f))
+    assert [row["slot"] for row in activations] == slots and "activations.png" in files
+    assert all((row["saturated_fraction"] != "") == (norm == "dyt") for row in activations)
     assert ("alpha.png" in files) == (norm == "dyt")
     if norm != "dyt":
         assert "no layer with a scalar alpha" in summary["notes"]["alpha"][0]

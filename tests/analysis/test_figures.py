@@ -23,7 +23,7 @@ from normexp.tables.spec import list_scales
 
 # at smoke scale each figure's runs are runs of these tables: made once, shared
 SHARED = {"dyt_io": ("dyt_imagenet", "dyt_dit"), "dyt_alpha": ("dyt_imagenet",), "dtn_tokens": ("dtn_norms",),
-          "dtn_attention": ("dtn_norms",)}
+          "dtn_attention": ("dtn_norms",), "pointwise_activations": ("pointwise",)}
 
 
 def test_the_four_paper_figures_exist():
@@ -62,7 +62,8 @@ def fabricate(plan, root: Path, diverged: str | None = None) -> None:
         torch.save({"model": model.state_dict(), "epoch": 8}, run_dir / "checkpoint.pth")
 
 
-@pytest.mark.parametrize("figure", ["dtn_attention", "dtn_tokens", "dyt_io", "dyt_alpha"])
+@pytest.mark.parametrize("figure", ["dtn_attention", "dtn_tokens", "dyt_io", "dyt_alpha",
+                                    "pointwise_activations"])
 def test_figure_renders_from_records_and_says_which_runs_are_missing(figure, tmp_path, capsys):
     spec = dataclasses.replace(load_figure(figure), images=2, points=200)
     fabricate(make_plan(spec, "smoke", None, [], root=tmp_path), tmp_path, diverged="in")
@@ -75,7 +76,9 @@ def test_figure_renders_from_records_and_says_which_runs_are_missing(figure, tmp
     labels = [r["label"] for r in record["runs"]]
     assert labels == {"dtn_attention": ["LN", "IN", "DTN"], "dtn_tokens": ["LN", "IN", "DTN"],
                       "dyt_io": ["ViT-B / LN", "ViT-B / DyT", "DiT-XL/2 / LN", "DiT-XL/2 / DyT"],
-                      "dyt_alpha": ["ViT-B / DyT", "ConvNeXt-B / DyT"]}[figure]
+                      "dyt_alpha": ["ViT-B / DyT", "ConvNeXt-B / DyT"],
+                      "pointwise_activations": ["LN / —", "DyT / —", "point-wise / erf", "point-wise / tanh",
+                                                "point-wise / arctan"]}[figure]
     if "IN" in labels:  # the diverged IN run is named, not drawn, and the exit status says so
         assert status == 1 and "IN: diverged" in capsys.readouterr().err
         in_dir = Path(next(r["dir"] for r in record["runs"] if r["label"] == "IN"))
@@ -90,6 +93,9 @@ def test_figure_renders_from_records_and_says_which_runs_are_missing(figure, tmp
                                                 + [f"blocks.{i}.norm1" for i in range(4)] * 2)
         assert "(dit_micro noised at uniformly drawn diffusion steps" in record["caption"]
         assert (out / f"{figure}_points.csv").is_file()
+    if figure == "pointwise_activations":  # a saturated fraction for the point-wise layers only
+        assert {n["run"] for n in numbers if n["saturated_fraction"] is None} == {"LN / —"}
+        assert (out / f"{figure}.csv").is_file()
     readme = (out.parent / "README.md").read_text()
     assert f"[{figure}](figures/{figure}.png)" in readme and figures.FIGURES_BEGIN in readme
     assert not [p for p in out.iterdir() if p.is_dir()]  # no temporary directory left

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from conftest import quick_cfg, run_cli
 from PIL import Image
 
+from normexp.data import build_classification_data
 from normexp.data.imagenet import SafeImageFolder, check_imagefolder_root
 from normexp.data.images import load_rgb
 from normexp.errors import UserError
@@ -172,3 +174,14 @@ def test_missing_root_on_the_command_line_is_one_line(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "/nonexistent" in errors[0] and "<root>/train/<wnid>" in errors[0]
     assert not list(Path(tmp_path).rglob("*.*"))  # refused before the run started: nothing written
+
+
+def test_an_imagefolder_trains_on_its_subset(tmp_path):
+    root = make_imagefolder(tmp_path / "imagenet", per_class=(10, 2), size=8)
+    cfg = quick_cfg("data=imagenet", f"data.root={root}", "data.num_classes=2", "data.num_workers=0",
+                    "data.train_fraction=0.5").data
+    first, again = (build_classification_data(cfg, seed=3, eval_train=True) for _ in range(2))
+    assert Counter(first.train.dataset.targets) == {0: 5, 1: 5}
+    assert first.train.dataset.samples == again.train.dataset.samples  # same seed, same subset
+    assert first.train_eval.dataset.samples == first.train.dataset.samples
+    assert len(first.val.dataset) == 4

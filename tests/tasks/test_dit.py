@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,9 +16,10 @@ import torch
 from conftest import quick_cfg
 from omegaconf import open_dict
 from PIL import Image
+from torch.utils.data import TensorDataset
 
 from normexp.analysis.core import analyse, load_run
-from normexp.data.loaders import default_cache_dir
+from normexp.data.loaders import default_cache_dir, make_loader
 from normexp.errors import UserError
 from normexp.metrics.fid import frechet_distance, inception_score, load_reference, statistics
 from normexp.models import build_backbone
@@ -36,9 +38,10 @@ def dit_cfg(*overrides: str, epochs: int = 2):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A two-epoch DiT run with DyT (DyT's recipe: no zero-init): (its summary, its directory)."""
+    """A two-epoch DiT run with DyT (DyT's recipe: no zero-init) and its evaluation-mode training loss: (its
+    summary, its directory)."""
     run_dir = tmp_path_factory.mktemp("dit") / "run"
-    return run(dit_cfg("norm=dyt"), run_dir), run_dir
+    return run(dit_cfg("norm=dyt", "task.eval_train_loss=true"), run_dir), run_dir
 
 
 # ---------------------------------------------------------------- a run
@@ -57,6 +60,24 @@ def test_a_run_trains_samples_and_scores_its_ema_model(trained):
     assert shard["labels"].tolist() == [i % 10 for i in range(20, 40)]  # class-balanced
     assert shard["features"].shape == (20, DigitsFeatures.dims) and "samples" not in shard.files
     assert (run_dir / "samples" / "epoch_0002.png").is_file()
+
+
+def test_the_evaluation_mode_training_loss_is_the_diffusion_loss_on_100_batches(trained, monkeypatch):
+    """Derf's App. E: the diffusion loss (MSE and, with a learned variance, the bound) of each model in eval
+    mode on the first 100 training batches."""
+    summary, run_dir = trained
+    final = summary["metrics"]["final"]
+    for prefix in ("train_eval", "ema/train_eval"):
+        assert final[f"{prefix}/loss"] > final[f"{prefix}/mse"] > 0  # learn_sigma: the bound is added
+    assert summary["metrics"]["reported"]["train_eval_loss"] == final["ema/train_eval/loss"]
+    seen = []
+    monkeypatch.setattr(dit_task.DiTTrainer, "diffusion_loss",
+                        lambda self, model, batches, generator: seen.append(len(list(batches))) or {})
+    trainer = dit_task.DiTTrainer.__new__(dit_task.DiTTrainer)  # only what evaluate_train reads
+    batches = make_loader(TensorDataset(torch.zeros(130)), 1, True, 0, 0)
+    trainer.seed, trainer.data = 0, SimpleNamespace(train=batches)
+    trainer.evaluate_train(None, "train_eval")
+    assert seen == [dit_task.FIT_BATCHES] == [100]  # the first 100 training batches
 
 
 def test_a_dit_without_learned_variance_trains_and_counts_its_parameters_as_dit(tmp_path):

@@ -1,0 +1,70 @@
+"""Per-slot statistics of each norm slot's input: kurtosis and max |x| (arXiv 2511.23225) and, for point-wise
+layers, the saturated fraction (arXiv 2604.23434: DyT's share of ``|alpha x| > 2``), read from the layer: its
+slope at each input (autograd) below ``tanh'(2) / tanh'(0)`` times its slope at 0 (the affine cancels)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+SATURATED_SLOPE = 1 - math.tanh(2.0) ** 2  # tanh's slope at 2 relative to its slope at 0
+
+
+def is_pointwise(module: nn.Module) -> bool:
+    """An element-wise layer ``gamma f(alpha x ...) + beta`` (it names its ``f``)."""
+    return getattr(module, "point_function", None) is not None
+
+
+@dataclass
+class SlotMoments:
+    """Sums over a slot's input elements (float64): count, powers 1-4, max |x|, saturated count."""
+
+    count: int = 0
+    powers: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    max_abs: float = 0.0
+    saturated: int | None = None  # None: not a point-wise layer
+
+    def row(self) -> dict[str, Any]:
+        n = self.count
+        mean = self.powers[0] / n
+        raw = [p / n for p in self.powers]  # E[x^k]
+        variance = raw[1] - mean ** 2
+        fourth = raw[3] - 4 * mean * raw[2] + 6 * mean ** 2 * raw[1] - 3 * mean ** 4  # E[(x - mean)^4]
+        return {"elements": n, "mean": mean, "std": math.sqrt(max(variance, 0.0)),
+                "kurtosis": fourth / variance ** 2 if variance > 0 else math.nan, "max_abs": self.max_abs,
+                "saturated_fraction": self.saturated / n if self.saturated is not None else None}
+
+
+class ActivationRecorder:
+    """Forward-hook callback: :class:`SlotMoments` of each hooked slot's input over every batch."""
+
+    def __init__(self) -> None:
+        self.moments: dict[str, SlotMoments] = {}
+        self.kinds: dict[str, str] = {}
+
+    def __call__(self, name: str, module: nn.Module, x: torch.Tensor, _y: torch.Tensor) -> None:
+        values = x.detach().double()
+        found = self.moments.setdefault(name, SlotMoments())
+        self.kinds[name] = type(module).__name__
+        found.count += values.numel()
+        found.powers = tuple(s + float((values ** (k + 1)).sum()) for k, s in enumerate(found.powers))
+        found.max_abs = max(found.max_abs, float(values.abs().max()))
+        if is_pointwise(module):
+            flat = (slopes(module, x).abs() < SATURATED_SLOPE * slopes(module, torch.zeros_like(x)).abs())
+            found.saturated = (found.saturated or 0) + int(flat.sum())
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [{"slot": name, "layer": self.kinds[name], **m.row()} for name, m in self.moments.items()]
+
+
+def slopes(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """d output / d input of an element-wise layer at each element of ``x`` (its Jacobian's diagonal)."""
+    with torch.enable_grad():
+        inputs = x.detach().float().requires_grad_(True)
+        # forward, not __call__: inside a forward hook, that would run the hook again
+        (slope,) = torch.autograd.grad(module.forward(inputs).float().sum(), inputs)
+    return slope
