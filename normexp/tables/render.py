@@ -534,7 +534,8 @@ def _member_label(spec: Any, group_key: str, member: tuple[str, ...]) -> str:
 
 
 def plot_curves(result: TableResult, path: Path) -> None:
-    """Training loss per step and the headline validation metric per epoch of every run of the table."""
+    """Training loss per step and the headline validation metric per epoch of every run of the table; with the
+    spec's ``curves`` panels, one training-loss panel per panel instead (a paper's loss-curve figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -549,43 +550,61 @@ def plot_curves(result: TableResult, path: Path) -> None:
     finals = [p.removeprefix("metrics.final.") for m in spec.metrics for p in m.value
               if p.startswith("metrics.final.")]  # the first the runs log (EMA's where there is an EMA)
     val_key = next((k for k in finals if any(k in r for log in logs.values() for r in log)), None)
-    fig, (ax_loss, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
     styles = member_styles((r.norm, r.key) for r in rows)
-    for row in rows:
-        copies = [r for r in result.rows if r.same_as is row]
-        label = " = ".join(row_label(result, r) for r in [row, *copies])
-        style = styles[row.key]
-        for j, (_, run) in enumerate(sorted(row.shown, key=lambda pr: pr[0].seed)):
-            if run.run_id not in logs:
-                continue
-            records = logs[run.run_id]
-            steps = [(r["step"], r["train/loss"]) for r in records  # the interval rows, not the epoch rows
-                     if isinstance(r.get("train/loss"), (int, float)) and "val/top1" not in r]
-            kw = {"color": style["color"], "ls": style["linestyle"], "lw": 1,
-                  "label": label if j == 0 else None}
-            if steps:
-                ax_loss.plot(*zip(*steps, strict=True), **kw)
-            if val_key:
-                vals = [(r["epoch"], r[val_key]) for r in records if isinstance(r.get(val_key), (int, float))]
-                if vals:
-                    ax_val.plot(*zip(*vals, strict=True), marker=".", **kw)
-            if run.status == "diverged":
-                ax_loss.axvline(get_path(run.record.summary, "diverged.step"), color=style["color"], ls=":")
-    ax_loss.set(xlabel="step", ylabel="train/loss", title="training loss (dotted: divergence)")
-    ax_loss.set_yscale("log")
-    ax_val.set(xlabel="epoch", ylabel=val_key or "", title=val_key or "no per-epoch metric")
-    for ax in (ax_loss, ax_val):
-        ax.grid(alpha=0.3)
-    handles, labels = ax_loss.get_legend_handles_labels()
-    if not handles:
-        handles, labels = ax_val.get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7)
-    fig.suptitle(textwrap.fill(f"{spec.title} ({result.plan.scale.name})", 120), fontsize=9)
+    ax_val = None
+    if spec.curves:
+        fig, axes = plt.subplots(1, len(spec.curves), figsize=(5.5 * len(spec.curves), 4), squeeze=False)
+        panels = [(ax, [r for r in rows if panel.matches(r.labels)], panel.title)
+                  for ax, panel in zip(axes[0], spec.curves, strict=True)]
+        val_key = None
+    else:
+        fig, (ax_loss, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
+        panels = [(ax_loss, rows, "training loss (dotted: divergence)")]
+    for ax_loss, panel_rows, _ in panels:
+        for row in panel_rows:
+            copies = [r for r in result.rows if r.same_as is row]
+            label = " = ".join(row_label(result, r) for r in [row, *copies])
+            for j, (_, run) in enumerate(sorted(row.shown, key=lambda pr: pr[0].seed)):
+                if run.run_id in logs:
+                    kw = {"color": styles[row.key]["color"], "ls": styles[row.key]["linestyle"], "lw": 1,
+                          "label": label if j == 0 else None}
+                    _plot_run(run, logs[run.run_id], ax_loss, ax_val if val_key else None, val_key, kw)
+    for ax_loss, _, title in panels:
+        ax_loss.set(xlabel="step", ylabel="train/loss", title=title)
+        ax_loss.set_yscale("log")
+        ax_loss.grid(alpha=0.3)
+    if spec.curves:
+        for ax_loss, _, _ in panels:
+            ax_loss.legend(fontsize=7)
+        handles = []
+    else:
+        ax_val.set(xlabel="epoch", ylabel=val_key or "", title=val_key or "no per-epoch metric")
+        ax_val.grid(alpha=0.3)
+        handles, labels = ax_loss.get_legend_handles_labels()
+        if not handles:
+            handles, labels = ax_val.get_legend_handles_labels()
+        if handles:
+            fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7)
+    mirror = f"; as {spec.curves_mirror}, dotted: divergence" if spec.curves_mirror else ""
+    fig.suptitle(textwrap.fill(f"{spec.title} ({result.plan.scale.name}{mirror})", 120), fontsize=9)
     rows_of_legend = (len(labels) + 3) // 4 if handles else 0
     fig.tight_layout(rect=(0, min(0.06 * rows_of_legend, 0.4), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_run(run: Any, records: list[dict[str, Any]], ax_loss: Any, ax_val: Any, val_key: str | None,
+              kw: dict[str, Any]) -> None:
+    """A run's training loss per logged step (interval rows, not epoch rows) and its validation metric."""
+    steps = [(r["step"], r["train/loss"]) for r in records
+             if isinstance(r.get("train/loss"), (int, float)) and "val/top1" not in r]
+    if steps:
+        ax_loss.plot(*zip(*steps, strict=True), **kw)
+    vals = [(r["epoch"], r[val_key]) for r in records if isinstance(r.get(val_key), (int, float))]
+    if ax_val is not None and vals:
+        ax_val.plot(*zip(*vals, strict=True), marker=".", **kw)
+    if run.status == "diverged":
+        ax_loss.axvline(get_path(run.record.summary, "diverged.step"), color=kw["color"], ls=":")
 
 
 # ---------------------------------------------------------------- writing

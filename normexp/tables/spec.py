@@ -121,6 +121,18 @@ class BestOf:
 
 
 @dataclass(frozen=True)
+class CurvePanel:
+    """One training-loss panel of a table's curves figure: the rows whose labels match ``where`` (a value or a
+    list of values per row key), drawn as a paper's loss-curve figure draws them."""
+
+    title: str
+    where: dict[str, tuple[str, ...]]
+
+    def matches(self, labels: dict[str, Any]) -> bool:
+        return all(str(labels.get(k)) in v for k, v in self.where.items())
+
+
+@dataclass(frozen=True)
 class TableSpec:
     id: str
     title: str
@@ -137,6 +149,8 @@ class TableSpec:
     notes: str = ""
     link_keys: tuple[str, ...] = ("backbone.name", "norm.name")
     best_of: BestOf | None = None
+    curves: tuple[CurvePanel, ...] = ()  # empty: every row's loss and validation curves side by side
+    curves_mirror: str = ""  # the paper figure the panels mirror
     searchpath: tuple[str, ...] = ()  # the search path it was found on: where the tables it links are found
 
     @property
@@ -173,8 +187,9 @@ class TableSpec:
 
 
 TABLE_KEYS = {"title", "source", "rows", "columns", "metrics", "blocks", "baseline", "labels", "headers",
-              "paper", "paper_note", "notes", "link_keys", "best_of"}
+              "paper", "paper_note", "notes", "link_keys", "best_of", "curves"}
 BEST_OF_KEYS = {"key", "metric", "mode"}
+CURVES_KEYS = {"mirrors", "panels"}
 METRIC_KEYS = {"key", "label", "value", "fmt", "scale", "delta", "derive", "better"}
 
 
@@ -225,6 +240,16 @@ def load_table(name: str, searchpath: Iterable[str] = ()) -> TableSpec:
             raise UserError(f"{path}: best_of.mode is max or min, best_of.key is not a row key, and a "
                             "best_of table has no 'columns'")
         best_of = BestOf(best_of["key"], best_of["metric"], best_of.get("mode", "max"))
+    curves = data.get("curves") or {}
+    _unknown_keys(curves, CURVES_KEYS, f"{path} curves")
+    panels = []
+    for panel in curves.get("panels", []):
+        where = panel.get("where") or {}
+        if not isinstance(where, dict) or set(where) - set(data["rows"]):
+            raise UserError(f"{path}: each curves panel needs 'where', a mapping of row keys "
+                            f"{data['rows']} to a value or a list of values")
+        panels.append(CurvePanel(str(panel.get("title", "")), {
+            k: tuple(str(x) for x in (v if isinstance(v, list) else [v])) for k, v in where.items()}))
     return TableSpec(
         id=table_id, title=data.get("title", table_id), source=data.get("source", ""),
         rows=tuple(data["rows"]), columns=data.get("columns"), metrics=tuple(metrics),
@@ -232,7 +257,7 @@ def load_table(name: str, searchpath: Iterable[str] = ()) -> TableSpec:
         labels=data.get("labels", {}), headers=data.get("headers", {}), paper=tuple(data.get("paper", [])),
         paper_note=data.get("paper_note", ""), notes=data.get("notes", ""),
         link_keys=tuple(data.get("link_keys", ("backbone.name", "norm.name"))), best_of=best_of,
-        searchpath=searchpath)
+        curves=tuple(panels), curves_mirror=str(curves.get("mirrors", "")), searchpath=searchpath)
 
 
 # ---------------------------------------------------------------- scales

@@ -284,3 +284,32 @@ def test_rows_that_are_the_same_runs_are_said_once(tmp_path, monkeypatch):
     by = {(r["backbone.name"], r["norm.name"], r["metric"]): r["same_runs_as"] for r in rows}
     assert by["vit_b", "dyt", "top1"] == "ViT-A / DyT" and by["vit_a", "dyt", "top1"] == ""
     assert len(drawn_bars(result, tmp_path, monkeypatch)) == 2  # ViT-A = ViT-B: LN and DyT, once
+
+
+def test_curves_panels_draw_the_rows_each_selects_as_a_papers_loss_figure(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    spec = SPEC.replace("paper:", "curves:\n  mirrors: Somebody Fig. 6\n  panels:\n"
+                        "    - {title: (a) ViT-A, where: {backbone.name: vit_a}}\n"
+                        "    - {title: (b) DyT, where: {norm.name: [dyt], backbone.name: [vit_a, vit_b]}}\n"
+                        "paper:")
+    drawn = {}
+
+    def labelled_lines(fig, path, **kw):
+        for ax in fig.axes:
+            labels = (line.get_label() for line in ax.get_lines())
+            drawn[ax.get_title()] = sorted(label for label in labels if not label.startswith("_"))
+        drawn["suptitle"] = fig._suptitle.get_text()
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", labelled_lines)
+    from normexp.tables.render import plot_curves
+
+    plot_curves(aggregate(fabricated_plan(tmp_path, spec)), tmp_path / "c.png")
+    # one training-loss panel per entry with only its rows, and no validation panel
+    assert drawn["(a) ViT-A"] == ["ViT-A / DyT", "ViT-A / LN"]
+    assert drawn["(b) DyT"] == ["ViT-A / DyT", "ViT-B / DyT"]
+    assert len(drawn) == 3 and "Somebody Fig. 6" in drawn["suptitle"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(spec.replace("where: {backbone.name: vit_a}", "where: {img: 3}"))
+    with pytest.raises(UserError, match="curves panel needs 'where'"):
+        load_table(str(bad))
