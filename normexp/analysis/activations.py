@@ -1,6 +1,8 @@
 """Per-slot statistics of each norm slot's input: kurtosis and max |x| (arXiv 2511.23225) and, for point-wise
 layers, the saturated fraction (arXiv 2604.23434: DyT's share of ``|alpha x| > 2``), read from the layer: its
-slope at each input (autograd) below ``tanh'(2) / tanh'(0)`` times its slope at 0 (the affine cancels)."""
+slope at each input (autograd) below ``tanh'(2) / tanh'(0)`` times its slope at the function's centre (the
+affine cancels). The centre is ``alpha x + s = 0``, or the edge of a flat zone (Derf Table 5), whose inputs
+then count as flat."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ..norms.kernels.pointwise import channel_shape
 
 SATURATED_SLOPE = 1 - math.tanh(2.0) ** 2  # tanh's slope at 2 relative to its slope at 0
 
@@ -54,11 +58,28 @@ class ActivationRecorder:
         found.powers = tuple(s + float((values ** (k + 1)).sum()) for k, s in enumerate(found.powers))
         found.max_abs = max(found.max_abs, float(values.abs().max()))
         if is_pointwise(module):
-            flat = (slopes(module, x).abs() < SATURATED_SLOPE * slopes(module, torch.zeros_like(x)).abs())
+            centre = slopes(module, centre_inputs(module, x)).abs()
+            flat = slopes(module, x).abs() < SATURATED_SLOPE * centre
             found.saturated = (found.saturated or 0) + int(flat.sum())
 
     def rows(self) -> list[dict[str, Any]]:
         return [{"slot": name, "layer": self.kinds[name], **m.row()} for name, m in self.moments.items()]
+
+
+def centre_inputs(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Inputs shaped as ``x`` where ``gamma f(alpha x + s) + beta`` has its centre slope: ``alpha x + s = 0``,
+    or just past a flat zone's edge (``prescale (alpha x + s) = flat``)."""
+    alpha = getattr(module, "alpha", None)
+    if alpha is None:  # DyISRU: x alone
+        return torch.zeros_like(x)
+    options = getattr(module, "options", None)
+    edge = options.flat / options.prescale * (1 + 1e-6) if options is not None and options.flat else 0.0
+    shift = getattr(module, "shift", None)
+    if shift is None:
+        shift = torch.zeros(())
+    elif shift.numel() > 1:
+        shift = shift.view(channel_shape(x, getattr(module, "data_format", "") == "channels_first"))
+    return ((edge - shift.detach()) / alpha.detach()).to(x.dtype).expand_as(x).clone()
 
 
 def slopes(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,6 @@ fraction of point-wise layers, for DyT exactly arXiv 2604.23434's share of ``|al
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import scipy.stats
 import torch
@@ -48,15 +46,32 @@ def test_every_slot_of_a_dyt_vit_against_its_inputs():
     assert any(0.05 < row["saturated_fraction"] < 0.95 for row in rows)  # the comparison means something
 
 
-def test_a_shifted_erf_saturates_where_its_slope_falls_below_tanhs_at_2_of_its_slope_at_0():
+def test_a_shifted_erf_saturates_where_its_slope_falls_below_tanhs_at_2_of_its_slope_at_its_centre():
     layer = PointWise(4, fn="erf", alpha0=1.5, shift0=0.3, kernels="autograd")
     layer.weight.data = torch.tensor([2.0, -1.0, 0.5, 3.0])  # the per-channel affine cancels in the ratio
     x = torch.linspace(-3, 3, 400).reshape(100, 4)
     recorder = ActivationRecorder()
     recorder("norm", layer, x, layer(x))
-    u = 1.5 * x.double() + 0.3  # erf'(u) is proportional to exp(-u^2)
-    expected = (torch.exp(-u ** 2) < SATURATED_SLOPE * math.exp(-0.3 ** 2)).double().mean()
+    u = 1.5 * x.double() + 0.3  # erf'(u) is proportional to exp(-u^2), its centre u = 0
+    expected = (torch.exp(-u ** 2) < SATURATED_SLOPE).double().mean()
     assert recorder.rows()[0]["saturated_fraction"] == pytest.approx(float(expected))
+    assert 0.1 < float(expected) < 0.9
+
+
+@pytest.mark.parametrize("vector_shift", [False, True])
+def test_a_flat_zone_counts_as_flat_and_the_slope_past_its_edge_is_the_reference(vector_shift):
+    # Derf Table 5's flat zone: g(u) = 0 on [-1, 1], erf(u -+ 1) outside (with a prescale of 2: v = 2u)
+    layer = PointWise(4, fn="erf", alpha0=1.0, shift0=0.2, vector_shift=vector_shift, flat=1.0, prescale=2.0,
+                      kernels="autograd")
+    x = torch.linspace(-3, 3, 4000).reshape(1000, 4)
+    recorder = ActivationRecorder()
+    recorder("norm", layer, x, layer(x))
+    v = 2 * (x.double() + 0.2)
+    inside = v.abs() <= 1
+    saturated = torch.exp(-(v.abs() - 1) ** 2) < SATURATED_SLOPE
+    expected = float((inside | saturated).double().mean())
+    assert recorder.rows()[0]["saturated_fraction"] == pytest.approx(expected, abs=1e-3)
+    assert min(float(inside.double().mean()), float(saturated.double().mean())) > 0.1
 
 
 def test_a_layernorm_has_moments_and_no_saturated_fraction():
