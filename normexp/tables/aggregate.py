@@ -80,6 +80,7 @@ class Cell:
     seeds: list[int] = field(default_factory=list)  # the seed of each value
     delta_interval: stats.Interval | None = None  # ``delta`` and its interval (paired or Welch)
     diverged: list[int] = field(default_factory=list)  # seeds whose run (or its pre-training) diverged
+    paths: set[str] = field(default_factory=set)  # the metric's value paths that supplied ``values``
 
     @property
     def by_seed(self) -> dict[Any, float]:
@@ -183,10 +184,16 @@ def marker(run: PlannedRun) -> str | None:
 
 
 def metric_value(metric: Metric, summary: dict[str, Any]) -> float | None:
+    found = metric_source(metric, summary)
+    return None if found is None else found[0]
+
+
+def metric_source(metric: Metric, summary: dict[str, Any]) -> tuple[float, str] | None:
+    """The metric's value in ``summary`` and the path that held it (the first of ``metric.value`` present)."""
     for path in metric.value:
         value = _number(get_path(summary, path))
         if value is not None:
-            return value * metric.scale
+            return value * metric.scale, path
     return None
 
 
@@ -253,7 +260,8 @@ def _cell(spec: TableSpec, metric: Metric, row: Row, base: Row | None) -> Cell:
                 cell.diverged.append(point.seed)
             continue
         summary = run.record.summary  # type: ignore[union-attr]
-        value = metric_value(metric, summary)
+        found = metric_source(metric, summary)
+        value, path = found if found is not None else (None, None)
         if value is None and metric.derive:
             base_run = base_runs.get(point.seed)
             if base_run is not None and base_run.status == "completed":
@@ -264,6 +272,7 @@ def _cell(spec: TableSpec, metric: Metric, row: Row, base: Row | None) -> Cell:
         else:
             cell.values.append(value)
             cell.seeds.append(point.seed)
+            cell.paths.add(path or str(metric.derive))
     return cell
 
 

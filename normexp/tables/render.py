@@ -5,19 +5,21 @@ interval), deltas ``+d ± h`` with ``≈`` where the interval contains 0; docs/t
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import re
 import textwrap
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..plotting import member_styles
+from ..plotting import HATCHES, member_styles, norm_color, shades
 from .aggregate import DERIVED_NOTES, Across, Cell, Row, TableResult, across_strata, metric_value
-from .spec import DEFAULT_SCALE, Metric, get_path
+from .spec import DEFAULT_SCALE, Metric, TableSpec, get_path
 from .stats import CONFIDENCE, N_RESAMPLES, WITHIN_NOISE, Interval
 
 LEVEL = f"{CONFIDENCE * 100:.0f} %"
@@ -464,73 +466,186 @@ def headline(result: TableResult) -> Metric:
     return next((m for m in result.spec.metrics if m.delta), result.spec.metrics[0])
 
 
+@dataclass
+class Bar:
+    """One row of a table's picture: its labels (values as text), normalizer, headline cell and, for a row
+    served by another row's runs, that row's key (``same_as``)."""
+
+    labels: dict[str, str]
+    norm: str | None
+    mean: float | None
+    half: float | None  # half-width of its interval; None: no interval (fewer than two runs)
+    n: int
+    markers: list[str]
+    paper: Any
+    within_noise: bool
+    same_as: tuple[str, ...] | None = None
+    paper_metric: bool = True  # our value is the paper's metric (not a fallback value path)
+
+    def key(self, keys: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(self.labels[k] for k in keys)
+
+
+def bars_of(result: TableResult) -> list[Bar]:
+    """The headline metric of every row, from the aggregated records."""
+    metric, keys = headline(result), result.spec.label_keys
+    bars = []
+    for row in result.rows:
+        cell = row.cells[metric.key]
+        bars.append(Bar({k: str(row.labels[k]) for k in keys}, row.norm, cell.mean, _half(cell.interval),
+                        cell.n, cell.markers, cell.paper, bool(cell.within_noise),
+                        None if row.same_as is None else tuple(str(row.same_as.labels[k]) for k in keys),
+                        cell.paths <= {metric.value[0], str(metric.derive)}))
+    return bars
+
+
+def bars_from_csv(spec: TableSpec, path: Path) -> list[Bar]:
+    """The headline metric of every row from a table's committed CSV (where its records are not kept). The CSV
+    does not say which value path gave a cell: a metric with fallback paths gets no paper ticks."""
+    metric = next((m for m in spec.metrics if m.delta), spec.metrics[0])
+    keys = spec.label_keys
+    rows = [r for r in csv.DictReader(path.open()) if r["metric"] == metric.key]
+    by_name = {" / ".join(spec.display(k, r[k]) for k in keys): tuple(r[k] for k in keys) for r in rows}
+    norms = {o.partition("=")[2] for b in spec.blocks for o in b.split() if o.startswith("norm=")}
+    only_norm = next(iter(norms)) if len(norms) == 1 else None  # a table of one normalizer's settings
+    bars = []
+    for r in rows:
+        paper: Any = r["paper"] or None
+        with contextlib.suppress(TypeError, ValueError):  # else a paper cell in words ("61.0 → failed")
+            paper = float(paper)
+        bars.append(Bar({k: r[k] for k in keys}, r.get("norm.name") or only_norm,
+                        float(r["mean"]) if r["mean"] else None, float(r["ci95"]) if r["ci95"] else None,
+                        int(r["n"] or 0), [m for m in r["markers"].split("; ") if m], paper,
+                        bool(r["within_noise"]), by_name.get(r["same_runs_as"]),
+                        len(metric.value) == 1))
+    return bars
+
+
 def plot_bars(result: TableResult, path: Path) -> None:
-    """The headline metric per normalizer (mean, 95 % t error bars, n), grouped by the first row key; bars
-    within noise pale and marked ``≈``."""
+    draw_bars(result.spec, result.plan.scale.name, bars_of(result), path)
+
+
+def setting_name(spec: TableSpec, labels: dict[str, str]) -> str:
+    """A setting (some row keys' values) in words: the spec's ``setting_labels`` entry, else each value by its
+    ``labels`` name, or ``<header> <value>`` where it has none."""
+    named = spec.setting_label(labels)
+    if named is not None:
+        return named
+    parts = []
+    for k, v in labels.items():
+        shown = spec.display(k, v)
+        parts.append(shown if shown != v or k == "norm.name" else f"{spec.header(k)} {v}")
+    return ", ".join(parts)
+
+
+def draw_bars(spec: TableSpec, scale: str, bars: list[Bar], path: Path) -> None:
+    """The headline metric per row (mean, 95 % t error bars where there is an interval, n), grouped by the
+    first row key, one colour per normalizer (shades and hatches tell one normalizer's settings apart in a
+    group); bars within noise dashed and marked ``≈``; the paper's value a black tick where ours is the same
+    metric. A row served by another row's runs is drawn once: its group's slot names the row it repeats, and a
+    group whose every row repeats another's is that group's tick."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    spec, metric = result.spec, headline(result)
-    group_key = spec.rows[0]
-    rows = [r for r in result.rows if r.same_as is None]
-    repeated = repeated_groups(result)
-    groups = list(dict.fromkeys(str(r.labels[group_key]) for r in rows))
-    members = {g: [r for r in rows if str(r.labels[group_key]) == g] for g in groups}
+    metric = next((m for m in spec.metrics if m.delta), spec.metrics[0])
+    keys, group_key = spec.label_keys, spec.rows[0]
+    setting_keys = [k for k in keys if k != group_key]
+    by_key = {b.key(keys): b for b in bars}
+    copies_of: dict[str, set[str]] = {}  # group -> the groups its rows repeat
+    for b in bars:
+        origin = by_key[b.same_as].labels[group_key] if b.same_as else None
+        copies_of.setdefault(b.labels[group_key], set()).add(origin)
+    repeats = {g: o.pop() for g, o in copies_of.items() if len(o) == 1 and None not in o
+               and o != {g}}  # every row of g repeats one other group: g is that group's tick
+    groups = [g for g in dict.fromkeys(b.labels[group_key] for b in bars) if g not in repeats]
+    members = {g: [b for b in bars if b.labels[group_key] == g] for g in groups}
 
-    def member(row: Row) -> tuple[str, ...]:
-        return tuple(str(row.labels[k]) for k in spec.label_keys if k != group_key)
+    def setting(b: Bar) -> tuple[str, ...]:
+        return tuple(b.labels[k] for k in setting_keys)
 
-    def styled(row: Row) -> tuple[str | None, tuple[str, ...]]:  # one member of two normalizers: two styles
-        return row.norm, member(row)
-
-    styles = member_styles((r.norm, styled(r)) for r in rows)
-    width = 0.8 / max((len(m) for m in members.values()), default=1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * len(rows) + 2), 4.2))
+    settings: dict[str | None, list[tuple[str, ...]]] = {}
+    crowded: set[str | None] = set()  # normalizers with several settings in one group
+    for g in groups:
+        for b in members[g]:
+            settings.setdefault(b.norm, [])
+            if setting(b) not in settings[b.norm]:
+                settings[b.norm].append(setting(b))
+        if any(sum(b.norm == n for b in members[g]) > 1 for n in settings):
+            crowded |= {n for n in settings if sum(b.norm == n for b in members[g]) > 1}
+    styles = {}
+    for norm, found in settings.items():
+        tones = shades(norm_color(norm), len(found), lightest=0.6)[::-1] if norm in crowded else None
+        for k, s in enumerate(found):
+            styles[norm, s] = {"color": tones[k] if tones else norm_color(norm),
+                               "hatch": HATCHES[k % len(HATCHES)] if tones else ""}
+    most = max((len(m) for m in members.values()), default=1)
+    width = 0.8 / most
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(bars) + 3.5), 4.4))
     labelled: set[tuple[str | None, tuple[str, ...]]] = set()
+    ticked = False
     for i, group in enumerate(groups):
-        for j, row in enumerate(members[group]):  # the group's bars side by side, centred on its tick
-            cell, style = row.cells[metric.key], styles[styled(row)]
+        for j, b in enumerate(members[group]):  # the group's bars side by side, centred on its tick
             x = i + width * (j - (len(members[group]) - 1) / 2)
-            label = None if styled(row) in labelled else _member_label(spec, group_key, member(row))
-            label = None if label in ("—", "None") else label  # no variant: the tick names the bar
-            labelled.add(styled(row))
-            found = cell.interval
-            half = found.half_width if found is not None else None
-            noise = bool(cell.within_noise)
-            ax.bar(x, cell.mean or 0, width, yerr=half or 0, color=style["color"], hatch=style["hatch"],
-                   edgecolor="black" if noise else "white", linewidth=1.0 if noise else 0.5,
-                   linestyle="--" if noise else "-", alpha=0.45 if noise else 1.0, capsize=3, label=label)
-            if cell.n:
-                ax.annotate(f"n={cell.n}", (x, 0), xytext=(0, 2), textcoords="offset points", ha="center",
-                            va="bottom", fontsize=6, color="white" if not noise else "black")
+            if b.same_as is not None:  # the runs are another row's: say whose, draw them there
+                ax.text(x, 0, " = " + setting_name(spec, dict(zip(keys, b.same_as, strict=True))),
+                        ha="center", va="bottom", rotation=90, fontsize=7, color="0.35")
+                continue
+            style = styles[b.norm, setting(b)]
+            label = None
+            if (b.norm, setting(b)) not in labelled and setting_keys:
+                label = setting_name(spec, dict(zip(setting_keys, setting(b), strict=True)))
+                labelled.add((b.norm, setting(b)))
+            noise = b.within_noise
+            ax.bar(x, b.mean or 0, width, color=style["color"], hatch=style["hatch"], edgecolor="white",
+                   linewidth=0.5, label=label)
+            if noise:  # a dashed outline of its own: the hatch keeps the setting's colour
+                ax.bar(x, b.mean or 0, width, fill=False, edgecolor="black", linestyle="--", linewidth=1.0)
+            if b.half is not None:
+                ax.errorbar(x, b.mean or 0, yerr=b.half, color="black", capsize=3, lw=1)
+            also = [setting_name(spec, {k: v for k, v in c.labels.items() if v != b.labels[k]})
+                    for c in bars if c.same_as == b.key(keys) and c.labels[group_key] not in repeats]
+            if also:
+                ax.annotate("= " + "\n= ".join(also), (x, (b.mean or 0) + (b.half or 0)), xytext=(0, 2),
+                            textcoords="offset points", ha="center", va="bottom", fontsize=6)
+            if b.n:
+                ax.annotate(f"n={b.n}", (x, 0), xytext=(0, 2), textcoords="offset points", ha="center",
+                            va="bottom", fontsize=6, color="black" if style["hatch"] else "white")
             if noise:
-                ax.annotate(WITHIN_NOISE, (x, (cell.mean or 0) + (half or 0)), xytext=(0, 2),
+                ax.annotate(WITHIN_NOISE, (x, (b.mean or 0) + (b.half or 0)), xytext=(0, 2 + 8 * len(also)),
                             textcoords="offset points", ha="center", va="bottom", fontsize=9)
-            if isinstance(cell.paper, (int, float)):
-                ax.plot([x - width / 2, x + width / 2], [cell.paper] * 2, color="black", lw=2)
-            markers = [m.split(":")[0] for m in cell.markers if m != "n/a"]  # "failed: <error>" -> "failed"
+            if isinstance(b.paper, (int, float)) and b.paper_metric:
+                ax.plot([x - width / 2, x + width / 2], [b.paper] * 2, color="black", lw=2)
+                ticked = True
+            markers = [m.split(":")[0] for m in b.markers if m != "n/a"]  # "failed: <error>" -> "failed"
             if markers:
                 ax.text(x, 0, " " + ", ".join(markers), ha="center", va="bottom", rotation=90, fontsize=7)
-    named = {g: [g, *(copy for copy, origin in repeated.items() if origin == g)] for g in groups}
+    named = {g: [g, *(copy for copy, origin in repeats.items() if origin == g)] for g in groups}
     ticks = [" =\n".join(spec.display(group_key, g) for g in named[group]) for group in groups]
     ax.set_xticks(range(len(groups)), ticks)
-    ax.set_ylabel(f"{metric.label} (error bars: {LEVEL} t interval)")
-    title = (f"{spec.title} ({result.plan.scale.name}; black ticks: paper"
-             + ("; a = b: the same runs, ticks: a's paper values" if repeated else "")
-             + f"; n: completed seeds; pale, dashed, {WITHIN_NOISE}: Δ within noise)")
-    ax.set_title(textwrap.fill(title, int(12 * fig.get_figwidth())), fontsize=9)
-    ax.legend(fontsize=8, ncol=min(4, max(len(labelled), 1)))
+    ax.set_xlim(-0.6, len(groups) - 0.4)
+    ax.set_ylabel(metric.label + (f" (error bars: {LEVEL} t interval)" if any(b.half for b in bars) else ""))
+    single = "; no error bar: one run" if any(b.n == 1 for b in bars) else ""
+    notes = [f"scale {scale}", f"n: completed seeds{single}"]
+    if ticked:
+        notes.append("black ticks: the paper's value")
+    elif any(isinstance(b.paper, (int, float)) for b in bars):
+        others = ", ".join(f"`{p}`" for p in metric.value[1:]) or "another value"
+        notes.append(f"no paper ticks: our cells may be {others}, not the paper's `{metric.value[0]}`")
+    if any(b.same_as for b in bars):
+        notes.append("a = b: the same runs, drawn once")
+    if any(b.within_noise for b in bars):
+        notes.append(f"dashed, {WITHIN_NOISE}: Δ within noise")
+    ax.set_title(textwrap.fill(spec.title, int(11 * fig.get_figwidth())), fontsize=9)
+    fig.text(0.01, 0.01, textwrap.fill("; ".join(notes), int(15 * fig.get_figwidth())), fontsize=7,
+             va="bottom", color="0.3")
+    if labelled:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
-
-
-def _member_label(spec: Any, group_key: str, member: tuple[str, ...]) -> str:
-    keys = [k for k in spec.label_keys if k != group_key]
-    return " / ".join(spec.display(k, v) for k, v in zip(keys, member, strict=True)) or spec.id
 
 
 def plot_curves(result: TableResult, path: Path) -> None:

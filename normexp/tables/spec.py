@@ -145,6 +145,7 @@ class TableSpec:
     labels: dict[str, dict[str, str]] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
     paper: tuple[dict[str, Any], ...] = ()
+    setting_labels: tuple[dict[str, Any], ...] = ()  # {<row key>: value, ..., label: words}: a setting's name
     paper_note: str = ""
     notes: str = ""
     link_keys: tuple[str, ...] = ("backbone.name", "norm.name")
@@ -179,6 +180,15 @@ class TableSpec:
                 return tuple(rule["set"])
         return ()
 
+    def setting_label(self, labels: dict[str, Any]) -> str | None:
+        """The words for the setting ``labels`` (some row keys' values): the first ``setting_labels`` entry
+        whose keys other than ``label`` are exactly those keys, with these values."""
+        for entry in self.setting_labels:
+            keys = set(entry) - {"label"}
+            if keys == set(labels) and all(str(entry[k]) == str(labels[k]) for k in keys):
+                return str(entry["label"])
+        return None
+
     def paper_value(self, labels: dict[str, Any], metric: str) -> Any:
         for entry in self.paper:
             if all(str(entry.get(k)) == str(labels[k]) for k in self.label_keys) and metric in entry:
@@ -187,7 +197,7 @@ class TableSpec:
 
 
 TABLE_KEYS = {"title", "source", "rows", "columns", "metrics", "blocks", "baseline", "labels", "headers",
-              "paper", "paper_note", "notes", "link_keys", "best_of", "curves"}
+              "paper", "paper_note", "notes", "link_keys", "best_of", "curves", "setting_labels"}
 BEST_OF_KEYS = {"key", "metric", "mode"}
 CURVES_KEYS = {"mirrors", "panels"}
 METRIC_KEYS = {"key", "label", "value", "fmt", "scale", "delta", "derive", "better"}
@@ -255,6 +265,7 @@ def load_table(name: str, searchpath: Iterable[str] = ()) -> TableSpec:
         rows=tuple(data["rows"]), columns=data.get("columns"), metrics=tuple(metrics),
         blocks=tuple(data["blocks"]), baseline=tuple(data.get("baseline", [])),
         labels=data.get("labels", {}), headers=data.get("headers", {}), paper=tuple(data.get("paper", [])),
+        setting_labels=tuple(data.get("setting_labels", [])),
         paper_note=data.get("paper_note", ""), notes=data.get("notes", ""),
         link_keys=tuple(data.get("link_keys", ("backbone.name", "norm.name"))), best_of=best_of,
         curves=tuple(panels), curves_mirror=str(curves.get("mirrors", "")), searchpath=searchpath)

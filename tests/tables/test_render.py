@@ -231,19 +231,28 @@ def test_a_scale_other_than_smoke_has_a_folder_and_an_index_section_of_its_own(t
 
 
 def drawn_bars(result, tmp_path, monkeypatch) -> list[dict]:
-    """Every bar ``plot_bars`` draws: its x, colour, hatch, legend label, error bar and edge style."""
+    """Every bar ``plot_bars`` draws: its x, colour, hatch, legend label, error bar (None: none) and whether a
+    dashed outline marks it within noise."""
     from matplotlib.axes import Axes
 
     from normexp.tables.render import plot_bars
 
-    bars, real_bar = [], Axes.bar
+    bars, real_bar, real_errorbar = [], Axes.bar, Axes.errorbar
 
     def bar(self, x, height, width, **kw):
-        bars.append({"x": x, "color": kw.get("color"), "hatch": kw.get("hatch"), "label": kw.get("label"),
-                     "yerr": kw.get("yerr"), "linestyle": kw.get("linestyle")})
+        if kw.get("fill", True):
+            bars.append({"x": x, "color": kw.get("color"), "hatch": kw.get("hatch"), "label": kw.get("label"),
+                         "yerr": None, "dashed": False})
+        else:  # the outline of the bar just drawn
+            bars[-1]["dashed"] = kw.get("linestyle") == "--"
         return real_bar(self, x, height, width, **kw)
 
+    def errorbar(self, x, y, yerr=None, **kw):
+        next(b for b in bars if b["x"] == x)["yerr"] = yerr
+        return real_errorbar(self, x, y, yerr=yerr, **kw)
+
     monkeypatch.setattr(Axes, "bar", bar)
+    monkeypatch.setattr(Axes, "errorbar", errorbar)
     plot_bars(result, tmp_path / "bars.png")
     return bars
 

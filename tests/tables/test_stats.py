@@ -150,7 +150,7 @@ def test_every_format_carries_the_interval_and_the_mark(tmp_path, monkeypatch):
         self, text, *a, **kw))
     bars = drawn_bars(result, tmp_path, monkeypatch)
     assert [round(b["yerr"], 2) for b in bars] == [2.48, 2.48, 2.48, 2.59]  # the cells' t intervals
-    assert [b["linestyle"] for b in bars] == ["-", "--", "-", "-"]  # ViT-A DyT: within noise
+    assert [b["dashed"] for b in bars] == [False, True, False, False]  # ViT-A DyT: within noise
     assert texts.count("≈") == 1 and texts.count("n=3") == 4
 
 
