@@ -38,7 +38,7 @@ from ..errors import UserError, one_line
 from ..tables.cli import planner_cli, run_cli, sweep_command
 from ..tables.plan import PlannedRun, TablePlan, hydra_composer, plan_table
 from ..tables.render import RESULTS_DIR, write_index
-from ..tables.spec import Metric, TableSpec, list_scales, load_scale, searchpath_of
+from ..tables.spec import Metric, TableSpec, get_path, list_scales, load_scale, searchpath_of
 from ..tables.sweep import print_plan
 from ..tracking.records import utc_now
 from .core import ANALYSES, RunAnalysis, analyse, load_run, select_slots
@@ -58,7 +58,7 @@ from .render import (
 FIGURE_DIR = CONFIG_DIR / "figure"
 FIGURES_BEGIN, FIGURES_END = "<!-- figures:begin -->", "<!-- figures:end -->"
 FIGURE_KEYS = {"title", "source", "mirrors", "analysis", "rows", "blocks", "labels", "images", "seed",
-               "slots", "max_slots", "token_slot", "color_by", "points", "notes", "grid"}
+               "slots", "max_slots", "token_slot", "color_by", "points", "notes", "grid", "headers"}
 KINDS = (*ANALYSES, "stability")  # stability reads the runs' records only: no model is loaded
 
 
@@ -85,6 +85,7 @@ class FigureSpec:
     points: int = 1000
     notes: str = ""
     grid: dict[str, Any] = field(default_factory=dict)  # stability: {x: key, y: key, panels: [keys]}
+    headers: dict[str, str] = field(default_factory=dict)  # a row key's name in words (an axis)
 
     @property
     def table_id(self) -> str:
@@ -139,7 +140,7 @@ def load_figure(name: str) -> FigureSpec:
         seed=int(data.get("seed", 0)), slots=(slots,) if isinstance(slots, str) else tuple(slots),
         max_slots=data.get("max_slots"), token_slot=data.get("token_slot"),
         color_by=data.get("color_by", "norm"), points=int(data.get("points", 1000)),
-        notes=str(data.get("notes", "")).strip(), grid=grid)
+        notes=str(data.get("notes", "")).strip(), grid=grid, headers=data.get("headers") or {})
 
 
 # ---------------------------------------------------------------- planning and running
@@ -225,6 +226,13 @@ def stability_cells(spec: FigureSpec, plan: TablePlan) -> list[dict[str, Any]]:
     return list(cells.values())
 
 
+def chance_level(plan: TablePlan) -> float | None:
+    """The top-1 (%) of guessing, 100 / the classes of the runs' data (None: the runs' data differ)."""
+    classes = {get_path(run.config, "data.num_classes") for run in plan.runs}
+    found = classes.pop() if len(classes) == 1 else None
+    return 100 / found if isinstance(found, int) and found > 0 else None
+
+
 def render_stability(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], out_dir: Path) -> list[Path]:
     cells = stability_cells(spec, plan)
     members = sorted({str(c["run_as"]) for c in cells})
@@ -234,7 +242,8 @@ def render_stability(spec: FigureSpec, plan: TablePlan, runs: list[FigureRun], o
     written = []
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         plot_stability(cells, Path(tmp) / f"{spec.id}.png", spec.grid["x"], spec.grid["y"],
-                       title=f"{spec.title} [{plan.scale.name} scale]", caption=caption)
+                       title=f"{spec.title} [{plan.scale.name} scale]", caption=caption, names=spec.headers,
+                       chance=chance_level(plan))
         record = {"figure": spec.id, "title": spec.title, "source": spec.source, "mirrors": spec.mirrors,
                   "analysis": spec.analysis, "scale": plan.scale.name, "caption": caption,
                   "rendered_at": utc_now(), "runs": [_run_entry(r) for r in runs], "numbers": cells}

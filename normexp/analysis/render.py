@@ -404,23 +404,47 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 
+CHANCE_TOLERANCE = 1.0  # percentage points above chance a top-1 may be and still count as not learned
+
+
 def plot_stability(cells: list[dict[str, Any]], path: Path, x: str, y: str, title: str = "",
-                   caption: str = "") -> None:
-    """Per ``panel`` label, a grid of runs' outcomes over ``x`` and ``y``, as DyT Fig. 10 draws it."""
+                   caption: str = "", names: dict[str, str] | None = None,
+                   chance: float | None = None) -> None:
+    """Per ``panel`` label, a grid of runs' outcomes over ``x`` and ``y``, as DyT Fig. 10 draws it: top-1 on
+    one colour scale (its bar beside the panels), a run within ``CHANCE_TOLERANCE`` of ``chance`` (it never
+    learned) grey and hatched, a diverged run red; panels that are the very same runs drawn once, titled with
+    every panel's name. ``names``: the axes' words per key."""
     plt = _plt()
-    panels = list(dict.fromkeys(c["panel"] for c in cells))
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    names = names or {}
+    runs_of: dict[str, tuple[Any, ...]] = {}
+    for c in cells:
+        runs_of[c["panel"]] = (*runs_of.get(c["panel"], ()), (c[x], c[y], c.get("run_id")))
+    merged: dict[tuple[Any, ...], list[str]] = {}
+    for panel, runs in runs_of.items():
+        merged.setdefault(tuple(sorted(runs, key=str)), []).append(panel)
+    panels = [found[0] for found in merged.values()]
+    titles = {found[0]: _same_names(found) for found in merged.values()}
+
     def order(values: set[Any]) -> list[Any]:  # numbers ascending; a run without the key (None) first
         return sorted(values, key=lambda v: (v is not None, float(v) if isinstance(v, (int, float)) else 0.0,
                                              str(v)))
 
+    def unlearned(cell: dict[str, Any]) -> bool:
+        return chance is not None and cell["top1"] is not None and cell["top1"] <= chance + CHANCE_TOLERANCE
+
     xs = order({c[x] for c in cells})
     ys = order({c[y] for c in cells if c[y] is not None}) or [None]
-    top = [c["top1"] for c in cells if c["top1"] is not None]
+    top = [c["top1"] for c in cells if c["top1"] is not None and not unlearned(c)]
     lo, hi = (min(top), max(top)) if top else (0.0, 100.0)
+    hi = hi if hi > lo else lo + 1.0
     cmap = plt.get_cmap("viridis")
-    size = (1.0 + 0.9 * len(xs) * len(panels), 2.2 + 0.55 * len(ys))
+    size = (2.6 + 1.0 * len(xs) * len(panels), 2.6 + 0.55 * len(ys))
     fig, axes = plt.subplots(1, len(panels), figsize=size, squeeze=False)
-    fig.subplots_adjust(bottom=0.9 / size[1], top=1 - 0.6 / size[1], wspace=0.15)
+    fig.subplots_adjust(bottom=1.2 / size[1], top=1 - 0.7 / size[1], wspace=0.25, left=0.9 / size[0],
+                        right=1 - 1.7 / size[0])
     for k, (ax, panel) in enumerate(zip(axes[0], panels, strict=True)):
         rows = [yv for yv in ys if any(c["panel"] == panel and c[y] == yv for c in cells)] or [None]
         for i, yv in enumerate(rows):
@@ -428,24 +452,46 @@ def plot_stability(cells: list[dict[str, Any]], path: Path, x: str, y: str, titl
                 cell = next((c for c in cells if c["panel"] == panel and c[x] == xv and c[y] == yv), None)
                 if cell is None:
                     continue
+                hatch, ink = "", "black"
                 if cell["status"] == "diverged":
-                    color, text = "#d62728", f"div@{cell['diverged_step']}"
+                    color, text, ink = "#d62728", f"div@{cell['diverged_step']}", "white"
+                elif unlearned(cell):
+                    color, text, hatch = "#d9d9d9", f"{cell['top1']:.1f}\nchance", "//"
                 elif cell["top1"] is not None:
-                    color = cmap((cell["top1"] - lo) / (hi - lo) if hi > lo else 0.5)
-                    text = f"{cell['top1']:.1f}"
+                    share = (cell["top1"] - lo) / (hi - lo)
+                    color, text = cmap(share), f"{cell['top1']:.1f}"
+                    ink = "white" if share < 0.6 else "black"
                 else:
                     color, text = "#cccccc", cell["status"]
-                ax.add_patch(plt.Rectangle((j, i), 1, 1, color=color))
-                ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=7,
-                        color="white" if cell["status"] in ("diverged", "completed") else "black")
+                ax.add_patch(plt.Rectangle((j, i), 1, 1, facecolor=color, hatch=hatch, edgecolor="white",
+                                           lw=0.5))
+                ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=7, color=ink)
         ax.set_xlim(0, len(xs))
         ax.set_ylim(len(rows), 0)
         ax.set_xticks([j + 0.5 for j in range(len(xs))], ["—" if v is None else str(v) for v in xs])
         ax.set_yticks([i + 0.5 for i in range(len(rows))], ["—" if v is None else str(v) for v in rows])
-        ax.set_xlabel(x)
+        ax.set_xlabel(names.get(x, x))
         if k == 0:
-            ax.set_ylabel(y)
-        ax.set_title(panel, fontsize=9)
+            ax.set_ylabel(names.get(y, y))
+        ax.set_title(titles[panel], fontsize=9)
+    bar = fig.colorbar(ScalarMappable(Normalize(lo, hi), cmap), ax=list(axes[0]), fraction=0.04, pad=0.03)
+    bar.set_label("top-1 (%)", fontsize=8)
+    notes = [f"{_and_names(found)} are the same runs: one panel" for found in merged.values()
+             if len(found) > 1]
+    if chance is not None:
+        notes.append(f"grey, hatched: at chance ({chance:g} % top-1: the run never learned); red: diverged")
     if title:
         fig.suptitle(title)
-    _save(fig, path, caption, tight=False)
+    _save(fig, path, "\n".join([*notes, caption] if caption else notes), tight=False)
+
+
+def _same_names(panels: list[str]) -> str:
+    """``ViT-S / DyT``, ``ViT-B / DyT`` -> ``ViT-S = ViT-B / DyT`` (the parts they share said once)."""
+    split = [p.split(" / ") for p in panels]
+    if len(panels) == 1 or len({len(s) for s in split}) > 1:
+        return " = ".join(panels)
+    return " / ".join(" = ".join(dict.fromkeys(parts)) for parts in zip(*split, strict=True))
+
+
+def _and_names(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + " and " + names[-1]
