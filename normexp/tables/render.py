@@ -20,7 +20,7 @@ from typing import Any
 from ..plotting import HATCHES, member_styles, norm_color, shades
 from .aggregate import DERIVED_NOTES, Across, Cell, Row, TableResult, across_strata, metric_value
 from .spec import DEFAULT_SCALE, Metric, TableSpec, get_path
-from .stats import CONFIDENCE, N_RESAMPLES, WITHIN_NOISE, Interval
+from .stats import CONFIDENCE, N_RESAMPLES, WITHIN_NOISE, Interval, t_half_width
 
 LEVEL = f"{CONFIDENCE * 100:.0f} %"
 
@@ -513,10 +513,12 @@ def bars_from_csv(spec: TableSpec, path: Path) -> list[Bar]:
         paper: Any = r["paper"] or None
         with contextlib.suppress(TypeError, ValueError):  # else a paper cell in words ("61.0 → failed")
             paper = float(paper)
+        n, half = int(r["n"] or 0), r.get("ci95")  # a CSV before the ci95 column: from std and n
+        half = float(half) if half else t_half_width(float(r["std"]), n) if r["std"] and n > 1 else None
         bars.append(Bar({k: r[k] for k in keys}, r.get("norm.name") or only_norm,
-                        float(r["mean"]) if r["mean"] else None, float(r["ci95"]) if r["ci95"] else None,
-                        int(r["n"] or 0), [m for m in r["markers"].split("; ") if m], paper,
-                        bool(r["within_noise"]), by_name.get(r["same_runs_as"]),
+                        float(r["mean"]) if r["mean"] else None, half, n,
+                        [m for m in r["markers"].split("; ") if m], paper,
+                        bool(r.get("within_noise")), by_name.get(r["same_runs_as"]),
                         len(metric.value) == 1))
     return bars
 

@@ -50,6 +50,11 @@ def _t_around(estimate: float, se: float, df: float, n: int, kind: str, confiden
     return Interval(estimate, estimate - half, estimate + half, n, df, kind)
 
 
+def t_half_width(std: float, n: int, confidence: float = CONFIDENCE) -> float | None:
+    """The half-width of the t interval of a mean of ``n`` values of sample std ``std`` (a CSV's columns)."""
+    return _t_around(0.0, std / math.sqrt(n), n - 1, n, "t", confidence).half_width
+
+
 def mean(values: Sequence[float]) -> float:
     """The mean, also of values whose sum overflows a float (1e308 twice) though their mean does not."""
     try:
