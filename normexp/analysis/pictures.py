@@ -1,6 +1,6 @@
 """Re-draw the committed pictures from the numbers committed beside them, where the run records are not kept:
 each table's ``<id>.png`` from its ``<id>.csv``, each stability figure from its ``<id>.json``; no number is
-read from anywhere else, so none moves (``python -m normexp.tables.pictures [<id> ...]``)."""
+read from anywhere else, so none moves (``python -m normexp.analysis.pictures [<id> ...]``)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,14 @@ import json
 import sys
 from pathlib import Path
 
-from .render import RESULTS_DIR, bars_from_csv, draw_bars
-from .spec import DEFAULT_SCALE, load_table
+from ..tables.render import RESULTS_DIR, bars_from_csv, draw_bars
+from ..tables.spec import DEFAULT_SCALE, load_table
+from .figures import chance_level, load_figure, make_plan
+from .render import plot_stability
 
 
 def redraw(ids: list[str], results: Path = RESULTS_DIR) -> list[Path]:
     """The pictures of ``ids`` (every committed table and stability figure if empty), drawn again."""
-    from ..analysis.figures import chance_level, load_figure, make_plan
-    from ..analysis.render import plot_stability
-
     written = []
     for path in sorted((results / "tables").glob("**/*.csv")):
         scale = DEFAULT_SCALE if path.parent.name == "tables" else path.parent.name
