@@ -6,6 +6,10 @@ it first (``defaults: [code/<name>@_here_, ...]``), so ``norm.<option>=`` overri
 values its constructor builds with; a size yaml composes it after its family. :func:`register` stores them in
 Hydra's ConfigStore; every composition runs after it: the training command calls it, and
 :func:`config_tree` composes with it (the table planner, the tests).
+
+``${suggested:<path>}`` stands for an option one config group suggests to another (a backbone's alpha0 to its
+normalizer, a normalizer's zero-init to its model): the value at ``<path>`` if the composition has one, else
+the constructor's default of the option it stands at -- so that default is written once, in the code.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 
 from . import CONFIG_DIR
 from .models import registry as models
@@ -43,8 +48,26 @@ def norm_defaults(name: str) -> dict[str, Any] | None:
             if o.default is not inspect.Parameter.empty}  # an option without a default: its yaml states it
 
 
+_ABSENT = object()
+
+
+def suggested(path: str, *, _parent_: Any, _root_: Any, _node_: Any) -> Any:
+    """The resolver ``${suggested:<path>}`` (see the module docstring): the option ``<option>`` of
+    ``norm`` or ``backbone`` ``<name>`` takes the value at ``path``, else its constructor's default."""
+    value = OmegaConf.select(_root_, path, default=_ABSENT)
+    if value is not _ABSENT:
+        return value
+    group, name, option = _parent_._key(), _parent_.name, _node_._key()
+    defaults = (norm_defaults(name) or {}) if group == "norm" else models.built_with(name)
+    if option not in defaults:
+        raise KeyError(f"${{suggested:{path}}} at {group}.{option}: {group} '{name}' has no constructor "
+                       f"default for '{option}'; state the value in its yaml")
+    return _plain(defaults[option], f"{group} {name}, option {option}")
+
+
 def register() -> None:
     """Store the code's defaults in Hydra's ConfigStore (again: the latest registrations win)."""
+    OmegaConf.register_new_resolver("suggested", suggested, replace=True)
     store = ConfigStore.instance()
     for name in norms.list_norms():
         defaults = norm_defaults(name)

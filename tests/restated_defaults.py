@@ -5,6 +5,7 @@ default. ``PYTHONPATH=. python tests/restated_defaults.py`` prints them and thei
 
 from __future__ import annotations
 
+import re
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,21 @@ def _plain(value: Any) -> Any:
 
 
 def _statements(path: Path) -> dict[str, Any]:
-    """The file's own values (not what it composes), interpolations left out."""
+    """The file's own values (not what it composes): a plain value as it is, an interpolation with a fallback
+    (``${oc.select:<path>,<fallback>}``) by its fallback, which restates the default as surely as a value
+    does; other interpolations left out (``${suggested:<path>}`` falls back on the code itself)."""
     values = yaml.safe_load(path.read_text()) or {}
-    return {k: v for k, v in values.items()
-            if k not in NOT_OPTIONS and not (isinstance(v, str) and v.startswith("${"))}
+    found = {}
+    for key, value in values.items():
+        if key in NOT_OPTIONS:
+            continue
+        if isinstance(value, str) and value.startswith("${"):
+            fallback = re.fullmatch(r"\$\{oc\.select:[^,}]+,(.+)\}", value)
+            if fallback is None or "${" in fallback.group(1):
+                continue
+            value = yaml.safe_load(fallback.group(1))
+        found[key] = value
+    return found
 
 
 def norm_defaults(name: str) -> dict[str, Any]:

@@ -241,3 +241,62 @@ def test_unknown_option_lists_the_available_ones(tmp_path):
     for option in ("ln", "dyt", "rms"):
         assert f" {option}," in out.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_a_suggested_option_falls_back_on_the_constructors_default(monkeypatch):
+    """``${suggested:<path>}`` (norm alpha0 and eps, DiT's zero_init): the other group's suggestion where
+    there is one, else the constructor's own default -- change DyT's default in the code and the config
+    follows."""
+    from normexp import code_defaults
+
+    dyt = code_defaults.norm_defaults("dyt")
+    assert compose_cfg("norm=dyt", "backbone=vit_base").norm.alpha0 == dyt["alpha0"]
+    assert compose_cfg("norm=ln", "backbone=dit_micro", "task=dit").backbone.zero_init == "all"
+    assert compose_cfg("norm=dyt", "backbone=dit_micro", "task=dit").backbone.zero_init == "none"
+    real = code_defaults.norm_defaults
+    monkeypatch.setattr(code_defaults, "norm_defaults",
+                        lambda name: {**real(name), "alpha0": 0.7} if name == "dyt" else real(name))
+    assert OmegaConf.create({"norm": {"name": "dyt", "alpha0": "${suggested:backbone.norm_defaults.alpha0}"},
+                             "backbone": {}}).norm.alpha0 == 0.7
+    assert OmegaConf.create({"norm": {"name": "dyt", "alpha0": "${suggested:backbone.norm_defaults.alpha0}"},
+                             "backbone": {"norm_defaults": {"alpha0": 2.0}}}).norm.alpha0 == 2.0
+
+
+def test_the_restated_defaults_counter_reads_a_fallback_as_a_statement(tmp_path):
+    """An ``oc.select`` fallback restates a default as surely as a plain value (issue 52: the counter skipped
+    interpolations and reported 0 over five)."""
+    from restated_defaults import _statements
+
+    path = tmp_path / "dyt.yaml"
+    path.write_text("name: dyt\nalpha0: ${oc.select:backbone.norm_defaults.alpha0,0.5}\n"
+                    "eps: ${oc.select:a.b,1.0e-6}\nkind: ${suggested:x.y}\nwidth: ${data.img_size}\n")
+    assert _statements(path) == {"alpha0": 0.5, "eps": 1e-6}
+
+
+def test_a_new_constructor_option_moves_every_identity_unless_listed(monkeypatch):
+    """A normalizer option added to its constructor enters every run's config (``norm/code/<name>``) and so
+    its identity; ``IDENTITY_DEFAULTS`` at the option's old-behaviour value keeps finished runs theirs. The
+    committed tables' identities (tests/run_ids.json) catch the first case; this shows the mechanism."""
+    from hydra import compose
+
+    from normexp import code_defaults
+    from normexp.tables.plan import resolved
+    from normexp.tracking import provenance
+    from normexp.tracking.provenance import config_hash
+
+    def identity() -> str:
+        with code_defaults.config_tree():
+            return config_hash(resolved(compose(config_name="train", overrides=["norm=dyt"])))
+
+    before = identity()
+    real = code_defaults.norm_defaults
+    monkeypatch.setattr(code_defaults, "norm_defaults",
+                        lambda name: {**real(name), "new_option": 3} if name == "dyt" else real(name))
+    try:
+        moved = identity()
+        monkeypatch.setitem(provenance.IDENTITY_DEFAULTS, "norm.new_option", 3)
+        kept = identity()
+    finally:
+        monkeypatch.undo()
+        code_defaults.register()  # the real nodes back in Hydra's ConfigStore
+    assert moved != before and kept == before

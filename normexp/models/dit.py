@@ -20,7 +20,7 @@ from torch import nn
 
 from ..norms.layout import TokenLayout
 from .base import DIFFUSION, NormContext
-from .mae import sincos_2d
+from .positions import sincos_2d
 from .registry import register_size
 
 ZERO_INITS = ("all", "blocks", "none")

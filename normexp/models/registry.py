@@ -36,12 +36,17 @@ def register_size(name: str, build: Callable[..., nn.Module], settings: dict[str
     register_model(constructor)
 
 
+def built_with(name: str) -> dict[str, Any]:
+    """The keyword values ``create_model(name)`` builds with: its size's settings, else its class's
+    constructor defaults."""
+    return {**_constructor_defaults(model_classes(name)[0]), **getattr(_MODELS[name], "settings", {})}
+
+
 def config_defaults(name: str) -> dict[str, Any]:
     """The options model ``name``'s family shows in its config (its class's ``config_options``) at the values
-    ``create_model(name)`` builds with: its size's settings, else its class's constructor defaults."""
-    cls = model_classes(name)[0]
-    handed = {**_constructor_defaults(cls), **getattr(_MODELS[name], "settings", {})}
-    return {option: handed[option] for option in getattr(cls, "config_options", ())}
+    ``create_model(name)`` builds with."""
+    handed = built_with(name)
+    return {option: handed[option] for option in getattr(model_classes(name)[0], "config_options", ())}
 
 
 def _constructor_defaults(cls: type) -> dict[str, Any]:

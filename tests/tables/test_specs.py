@@ -7,8 +7,10 @@ jiachenzhu/DyT README and main.py (the ConvNeXt recipe), whai362/PVT detection/c
 from __future__ import annotations
 
 import fnmatch
+import json
 
 import pytest
+from run_ids import RUN_IDS, run_ids
 
 from normexp.errors import UserError
 from normexp.tables import cli
@@ -117,6 +119,9 @@ DROP_PATH = {
 }
 
 
+COMMITTED_RUN_IDS = json.loads(RUN_IDS.read_text())
+
+
 class Plans(dict):
     """(table, scale) -> plan, planned on first use: each pytest worker plans only what its tests read."""
 
@@ -214,6 +219,19 @@ def test_every_table_plans_the_papers_recipes_at_full_scale_and_micro_members_at
     check_dtn_rows_start_their_position_weights_as_the_released_code(full)
     check_dtn_rows_start_their_position_weights_as_the_released_code(smoke)
     check_sigma_reparam_rows_are_the_official_build(full)
+    check_run_ids_are_the_committed_ones(table, {"full": full, "smoke": smoke})
+
+
+def check_run_ids_are_the_committed_ones(table, plans):
+    """Every run a table plans keeps its identity (issue 52): a change to the configs, the constructors'
+    options or a task's build that moves one fails here, naming the table; ``tests/run_ids.py`` says how to
+    write the list again after a deliberate change."""
+    committed = COMMITTED_RUN_IDS.get(table)
+    assert committed is not None, f"{table}: no committed run identities; python tests/run_ids.py {table}"
+    for scale, plan in plans.items():
+        assert run_ids(plan) == committed[scale], (
+            f"{table} at {scale}: the run identities moved (finished runs would run again); if deliberate, "
+            f"python tests/run_ids.py {table}")
 
 
 def test_classification_tables_read_the_reported_weights():

@@ -18,7 +18,8 @@ from normexp.engine.checkpoint import load_checkpoint
 from normexp.engine.trainer import Trainer
 from normexp.errors import UserError
 from normexp.models import build_backbone
-from normexp.models.mae import masked_loss, patch_targets, patchify, random_masking, sincos_2d, unpatchify
+from normexp.models.mae import masked_loss, patch_targets, patchify, random_masking, unpatchify
+from normexp.models.positions import sincos_2d
 from normexp.norms.registry import get_norm_class
 from normexp.run import run
 from normexp.tasks.classification import start_from
