@@ -7,9 +7,8 @@ values its constructor builds with; a size yaml composes it after its family. :f
 Hydra's ConfigStore; every composition runs after it: the training command calls it, and
 :func:`config_tree` composes with it (the table planner, the tests).
 
-``${suggested:<path>}`` stands for an option one config group suggests to another (a backbone's alpha0 to its
-normalizer, a normalizer's zero-init to its model): the value at ``<path>`` if the composition has one, else
-the constructor's default of the option it stands at -- so that default is written once, in the code.
+``${suggested:<path>}``: another group's suggestion at ``<path>`` if there is one, else the constructor's
+default (so that default is written once, in the code).
 """
 
 from __future__ import annotations

@@ -8,12 +8,13 @@
 2. every value fits the schema (``normexp.config``): types, ranges, choices; unknown keys are refused; every
    float is finite and every integer fits in 64 bits; the task's settings fit its ranges (``Task.ranges``);
 3. values that depend on one another: the task and its data, the metric ``trainer.best_metric`` ranks by,
-   the optimizer, the global batch, Mixup's pairs, the backbone's input size -- what a task needs, asked of
-   the task registry (``normexp.tasks.get_task``);
+   the optimizer, the global batch, Mixup's pairs, the backbone's input size, the service the task needs
+   of the backbone (``Task.need`` against its class's ``serves``, nothing built) -- asked of the task
+   registry (``normexp.tasks.get_task``);
 4. with ``environment=True``, what this machine must provide: the data at ``data.root`` (layout, class
    count), the device, the task's own inputs (a reference run; the run it starts from, completed).
 
-``normexp.run`` then builds the model on the meta device (``normexp.models.build.check_buildable``): what
+``normexp.run`` then builds the model the task trains (``Task.build``) once on the meta device: what
 only the model knows (a group count that must divide every width) is refused there, still before anything
 is written. Any problem is one :class:`UserError` line naming the key, the bad value and what is allowed:
 exit code 2, no traceback.
@@ -33,6 +34,9 @@ from .data import check_data
 from .distributed import DistInfo, launcher_env
 from .engine.batches import accumulation_steps
 from .errors import UserError
+from .models.base import DENSE_FEATURES
+from .models.build import name_patterns
+from .models.registry import class_serves, list_models, serving
 from .plugins import load_plugins
 from .tasks import TASKS, get_task
 from .tasks.pretrained import check_source_completed
@@ -59,12 +63,14 @@ def _task_and_data(values: dict[str, Any]) -> Iterator[str]:
     if task.data and data not in task.data:
         yield (f"task={values['task']['name']} reads {' or '.join(f'data={d}' for d in task.data)}, "
                f"not data={data}")
-    kind = values["backbone"].get("kind", "image")
-    if kind != task.backbone_kind:
-        serving = sorted(name for name, t in TASKS.items() if t.backbone_kind == kind)
-        yield (f"backbone={values['backbone'].get('name')} is a model of kind '{kind}'"
-               f"{' (for task=' + ', '.join(serving) + ')' if serving else ''}; task={task.name} builds one "
-               f"of kind '{task.backbone_kind}'")
+    name = values["backbone"].get("name")
+    served = class_serves(name) if name in list_models() else None  # an unknown name: the build says so
+    if served is not None and task.need not in served:
+        tasks = sorted(n for n, t in TASKS.items() if t.need in served)
+        users = f" (for task={', '.join(tasks)})" if tasks else ""
+        others = ", ".join(name_patterns(serving(task.need)))
+        yield (f"backbone={name} serves {', '.join(sorted(served))}{users}, not {task.need}: "
+               f"task={task.name} needs a backbone that serves {task.need} ({others})")
     metrics = task.metrics(values) if task.metrics else None
     best = values["trainer"]["best_metric"]
     if metrics is not None and best not in metrics:
@@ -104,7 +110,7 @@ def _input_size(values: dict[str, Any]) -> Iterator[str]:
         yield (f"backbone.img_size={img} is not a multiple of backbone.patch_size={patch}: use an image size "
                f"of {img // patch * patch or patch} or {(img // patch + 1) * patch} (data.img_size; the "
                "backbone's follows it)")
-    dense = get_task(values["task"]["name"]).dense  # any input size: detectors resize, dense models adapt
+    dense = get_task(values["task"]["name"]).need == DENSE_FEATURES  # any size: detectors resize
     fixed = not dense and not backbone.get("dynamic_img_size")
     if fixed and isinstance(img, int) and img != data.get("img_size"):
         yield (f"backbone.img_size={img} but the images are data.img_size={data.get('img_size')} px: set "

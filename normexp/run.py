@@ -1,10 +1,10 @@
 """One entry for every task: validate, decide how the run starts, record, dispatch (no Hydra here).
 
-A refusal is harmless because of the order: the config is validated and prepared by its task and the model
-built on the meta device; process 0 claims the run's directory (:mod:`normexp.tracking.run_dir`) and decides
-the start (:func:`decide_start`: afresh, resumed from a verified checkpoint, already done, or refused) --
-reading only; then the record is written and the task runs into it. In a distributed job every process runs
-this and follows process 0's decision.
+A refusal is harmless because of the order: the config is validated and prepared by its task, and the model it
+trains (``Task.build``) built once on the meta device; process 0 claims the run's directory
+(:mod:`normexp.tracking.run_dir`) and decides the start (:func:`decide_start`: afresh, resumed from a verified
+checkpoint, already done, or refused) -- reading only; then the record is written and the task runs into it.
+In a distributed job every process runs this and follows process 0's decision.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from . import distributed
 from .engine.checkpoint import checkpoint_file, load_checkpoint
 from .errors import Diverged, Interrupted, UserError, one_line, storage_error
-from .models import check_buildable
 from .preflight import resolve, validate
 from .tasks import get_task
 from .tasks.pretrained import source_run
@@ -201,7 +201,8 @@ def run(cfg: DictConfig, directory: str | Path | None = None, outcome: Outcome |
     validate(cfg)
     task = get_task(cfg.task.name)
     prepared = task.prepare(cfg)
-    check_buildable(prepared.backbone, prepared.norm, dense=task.dense)
+    with torch.device("meta"):  # what only the model knows, refused before anything is written
+        task.build(prepared)
     # left when the run ends (Interrupted, UserError: on every process), unless the entry point joined it
     with distributed.process_group(prepared.trainer.device, ends=(UserError, Interrupted)) as world:
         config = resolve(prepared)

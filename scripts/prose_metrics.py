@@ -1,8 +1,11 @@
 #!/usr/bin/env python
-"""Docstring lines per code line in ``normexp/`` (the prose budget: <= 0.15; timm's is about 0.10).
+"""Docstring lines per code line in ``normexp/`` (the prose budget: <= 0.15; timm's is about 0.10), and the
+median sentence length of the docs (README.md and docs/*.md: <= 22 words).
 
 Docstring lines are the lines spanned by module, class and function docstrings; code lines are the other
-non-blank lines that are not comments only. ``tests/test_prose.py`` checks the budget.
+non-blank lines that are not comments only. A docs sentence is prose outside code blocks, tables and
+headings, ended by '.', '?' or '!' before a space or the paragraph's end. ``tests/test_prose.py`` checks
+both budgets.
 
     python scripts/prose_metrics.py [--worst 15] [--frozen normexp/run.py ...]
 
@@ -15,11 +18,14 @@ from __future__ import annotations
 import argparse
 import ast
 import io
+import re
+import statistics
 import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET = 0.15
+SENTENCE_BUDGET = 22  # median words per docs sentence
 
 
 def counts(source: str) -> tuple[int, int]:
@@ -57,6 +63,24 @@ def ratio(table: dict[str, tuple[int, int]]) -> float:
     return sum(d for d, _ in table.values()) / max(1, sum(c for _, c in table.values()))
 
 
+def docs_sentences(root: Path = ROOT) -> dict[str, list[int]]:
+    """Relative path -> the word count of each prose sentence of README.md and docs/*.md."""
+    found = {}
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+        paragraphs = re.split(r"\n\s*\n", text)
+        prose = [" ".join(p.split()) for p in paragraphs
+                 if p.strip() and not p.lstrip().startswith(("#", "|", "<!--"))]
+        found[str(path.relative_to(root))] = [
+            len(sentence.split()) for paragraph in prose
+            for sentence in re.split(r"(?<=[.?!])\s+(?=[A-Z`(*\[])", paragraph) if sentence.split()]
+    return found
+
+
+def median_words(found: dict[str, list[int]]) -> float:
+    return statistics.median(n for counts in found.values() for n in counts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worst", type=int, default=15)
@@ -69,6 +93,10 @@ def main() -> None:
         capped = {name: (min(d, int(BUDGET * c)), c) if name in args.frozen else (d, c)
                   for name, (d, c) in table.items()}
         print(f"with the frozen files at most at the budget: {ratio(capped):.3f}")
+    found = docs_sentences()
+    every = [n for counts in found.values() for n in counts]
+    print(f"docs: {len(every)} sentences, median {median_words(found):g} words (budget "
+          f"{SENTENCE_BUDGET}), {sum(n > 40 for n in every) / len(every):.0%} over 40")
     print(f"\n{'ratio':>6} {'doc':>5} {'code':>5}  file")
     worst = sorted(table.items(), key=lambda item: -item[1][0] / max(1, item[1][1]))[: args.worst]
     for name, (d, c) in worst:

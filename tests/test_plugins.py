@@ -82,8 +82,8 @@ def records(root: Path) -> list[Path]:
 def test_the_page_shows_the_whole_example():
     assert set(FILES) == {"mynorms.py", "mynets.py", "configs/norm/scaled_rms.yaml",
                           "configs/backbone/tiny_mixer.yaml", "configs/table/mytable.yaml",
-                          "configs/scale/one_epoch.yaml"}
-    assert len(COMMANDS) == 2 and "table run mytable" in COMMANDS[1]
+                          "configs/scale/one_epoch.yaml", "mytasks.py", "configs/task/count.yaml"}
+    assert len(COMMANDS) == 3 and "table run mytable" in COMMANDS[1] and "task=count" in COMMANDS[2]
 
 
 def test_a_users_norm_and_backbone_train(user_dir):
@@ -183,38 +183,26 @@ def test_every_process_of_a_job_has_the_plugins(user_dir, launch):
     assert summary.get("world_size", 1) == (2 if launch == "torchrun" else 1)
 
 
-TASK_PLUGIN = '''
-"""A user's task: the parameter count of the configured model, and nothing else."""
-from normexp.models import build_backbone
-from normexp.tasks import Task, register_task
+TASK_PLUGIN = FILES["mytasks.py"]  # the page's task example
 
 
-def run_count(cfg, record):
-    model = build_backbone(cfg.backbone, cfg.norm)
-    count = sum(p.numel() for p in model.parameters())
-    record.update(params=count, metrics={"final": {"params": count}})
-    return record.summary["metrics"]
-
-
-register_task(Task("count", run_count, data=("digits",)))
-'''
-
-
-def test_a_task_from_a_plugin_runs_as_a_shipped_one(tmp_path):
-    """A task is one module and one yaml, from the user's directory (no edit of normexp)."""
+def test_a_task_from_a_plugin_runs_as_a_shipped_one(user_dir, monkeypatch):
+    """The page's task example: one module and one yaml, from the user's directory (no edit of normexp), run
+    by the page's command line (in this process)."""
     from normexp.run import run
     from normexp.tables.plan import hydra_composer
 
-    (tmp_path / "mytasks.py").write_text(TASK_PLUGIN)
-    (tmp_path / "configs" / "task").mkdir(parents=True)
-    (tmp_path / "configs" / "task" / "count.yaml").write_text("name: count\n")
-    with hydra_composer([f"hydra.searchpath=[file://{tmp_path}/configs]"]) as compose:
-        cfg = compose(["task=count", f"plugins=[{tmp_path}/mytasks.py]", "logger=none", "norm=dyt"])
+    tmp_path = user_dir
+    monkeypatch.syspath_prepend(str(user_dir))  # PYTHONPATH=.
+    searchpath = [a for a in command(2, user_dir) if a.startswith("hydra.searchpath=")]
+    overrides = [a for a in command(2, user_dir) if a not in searchpath]
+    with hydra_composer(searchpath) as compose:
+        cfg = compose([*overrides, "logger=none"])
     summary = run(cfg, tmp_path / "run")
     assert summary["status"] == "completed" and summary["task"] == "count"
     assert summary["metrics"]["final"]["params"] == summary["params"] > 0
-    with hydra_composer([f"hydra.searchpath=[file://{tmp_path}/configs]"]) as compose:
-        wrong = compose(["task=count", f"plugins=[{tmp_path}/mytasks.py]", "logger=none", "data=imagenet"])
+    with hydra_composer(searchpath) as compose:
+        wrong = compose([*overrides, "logger=none", "data=imagenet"])
     with pytest.raises(UserError, match="task=count reads data=digits, not data=imagenet"):
         run(wrong, tmp_path / "wrong")
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..tracking.provenance import stream_seed
 from .slots import (
     affine_params,
     channel_dim,
@@ -102,7 +103,7 @@ class IOSampler:
             out.update({k: v[sel].cpu().numpy() for k, v in where.items()})
             return out
 
-        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + k * 1_009 + j) % 2**31)
+        generator = torch.Generator().manual_seed(stream_seed(self.seed, k * 1_009 + j) % 2**31)
         share = x.shape[0] / self.total if self.total else 1.0
         n = min(x.numel(), max(1, round(self.points * share)))
         chosen = torch.randperm(x.numel(), generator=generator)[:n].sort().values

@@ -136,3 +136,14 @@ def image_files(folder: Path, seen: set[tuple[int, int]]) -> list[str]:
         elif entry.name.lower().endswith(IMG_EXTENSIONS):
             found.append(entry.path)
     return found
+
+
+def center_crop_arr(image: Image.Image, size: int) -> Image.Image:
+    """ADM's centre crop (guided-diffusion ``image_datasets.py``, DiT's ``center_crop_arr``)."""
+    while min(*image.size) >= 2 * size:
+        image = image.resize(tuple(x // 2 for x in image.size), resample=Image.BOX)
+    scale = size / min(*image.size)
+    image = image.resize(tuple(round(x * scale) for x in image.size), resample=Image.BICUBIC)
+    array = np.asarray(image)
+    top, left = (array.shape[0] - size) // 2, (array.shape[1] - size) // 2
+    return Image.fromarray(array[top: top + size, left: left + size])

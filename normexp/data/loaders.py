@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .. import distributed
+from ..tracking.provenance import stream_seed
 from .samplers import ShardedSampler
 
 
@@ -138,4 +139,4 @@ def set_epoch(loader: DataLoader, epoch: int, start_batch: int = 0) -> None:
     if isinstance(sampler, ShardedSampler):
         sampler.set_epoch(epoch, start_batch)
         if loader.generator is not None:
-            loader.generator.manual_seed((sampler.seed * 1_000_003 + epoch) * 1_009 + sampler.rank)
+            loader.generator.manual_seed(stream_seed(sampler.seed, epoch, sampler.rank))

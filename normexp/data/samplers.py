@@ -14,6 +14,10 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from ..tracking.provenance import stream_generator, stream_seed
+
+SAMPLE_SPREAD = (1_000_003, 1_000_033)  # the per-sample seeds' base, apart from the epoch order's
+
 
 class ShardedSampler(Sampler[int]):
     def __init__(self, num_samples: int, *, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1,
@@ -47,7 +51,7 @@ class ShardedSampler(Sampler[int]):
     def epoch_order(self) -> torch.Tensor:
         """The global order of this epoch's samples, before dealing."""
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            generator = stream_generator(self.seed, self.epoch)
             order = torch.randperm(self.num_samples, generator=generator)
         else:
             order = torch.arange(self.num_samples)
@@ -61,7 +65,7 @@ class ShardedSampler(Sampler[int]):
         if not self.keyed:
             return iter(mine)
         # position p of this process's share is position rank + p * world_size of the epoch's order
-        base = ((self.seed * 1_000_003 + self.epoch) * 1_000_033) % 2**62
+        base = stream_seed(self.seed, self.epoch, 0, spread=SAMPLE_SPREAD) % 2**62
         positions = range(self.rank + first * self.world_size, 2**62, self.world_size)
         return iter([(index, base + position) for index, position in zip(mine, positions, strict=False)])
 

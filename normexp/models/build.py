@@ -7,7 +7,6 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -37,7 +36,7 @@ def backbone_arguments(backbone_cfg: DictConfig | dict, dense: bool = False) -> 
     # suggestions read by the norm and trainer configs through interpolation, not by the model
     kwargs.pop("norm_defaults", None)
     kwargs.pop("trainer_defaults", None)
-    kwargs.pop("kind", None)  # what the model is (an image backbone, a diffusion model): the tasks' check
+    kwargs.pop("kind", None)  # the configs of DiT runs made before its model class said what it serves
     dense_kwargs = kwargs.pop("dense", None) or {}
     if dense:
         kwargs.update(dense_kwargs)
@@ -93,10 +92,3 @@ def require(model: nn.Module, name: str, need: str) -> None:
         what, others = ", ".join(sorted(serves)) or "nothing", ", ".join(name_patterns(serving(need)))
         raise UserError(f"backbone '{name}' serves {what}, not {need}{how}; "
                         f"backbones that serve {need}: {others}")
-
-
-def check_buildable(backbone_cfg: DictConfig | dict, norm_cfg: DictConfig | dict,
-                    dense: bool = False) -> None:
-    """Build the model on the meta device, so that what only the model knows is refused before any work."""
-    with torch.device("meta"):
-        build_backbone(backbone_cfg, norm_cfg, dense=dense)

@@ -106,7 +106,6 @@ class DiT(nn.Module):
     serves = frozenset({DIFFUSION})
     residual_scales = ("blocks.*.attn", "blocks.*.mlp")  # before adaLN's gates
 
-    task = "dit"  # the task its forward serves (not an image classifier)
     config_options = ("hidden_size", "depth", "num_heads", "patch_size", "mlp_ratio", "class_dropout",
                       "learn_sigma")
 

@@ -86,9 +86,15 @@ def model_classes(name: str) -> tuple[type, ...]:
         return (type(constructor()),)
 
 
-def serving(need: str) -> list[str]:
-    """The registered models whose family serves ``need`` (their contract's ``serves``), by name."""
+def class_serves(name: str) -> frozenset[str]:
+    """What every class ``create_model(name)`` may return serves (their contract's ``serves``; a model
+    outside the contract: classification), read off the classes without building."""
     from .base import CLASSIFICATION
 
-    return [name for name in list_models()
-            if all(need in getattr(c, "serves", {CLASSIFICATION}) for c in model_classes(name))]
+    return frozenset.intersection(*(frozenset(getattr(c, "serves", {CLASSIFICATION}))
+                                    for c in model_classes(name)))
+
+
+def serving(need: str) -> list[str]:
+    """The registered models whose family serves ``need``, by name."""
+    return [name for name in list_models() if need in class_serves(name)]

@@ -33,7 +33,7 @@ from ..models.foreign import is_foreign, read_foreign
 from ..models.stats import count_gmacs, count_params
 from ..tracking.records import RunRecord, read_summary
 from ..tracking.run_dir import resolve_source
-from . import Task, backbone_task, evaluated, register_task
+from . import Task, backbone_task, evaluated, fit_and_record, register_task
 from .conversion import calibrate_and_compare, check_calibration, converted_layers
 from .pretrained import (
     HEAD,
@@ -265,10 +265,7 @@ def run_classification(cfg: Any, record: RunRecord) -> dict[str, Any]:
         start = trainer.evaluate(trainer.module, "start")
         record.update(pretrained={**pretrained, "start": {k.split("/", 1)[1]: v for k, v in start.items()}})
         log.info("before fine-tuning: %s", "  ".join(f"{k}={v:.4g}" for k, v in start.items()))
-    metrics = trainer.fit()
-    if cfg.task.eval_train_loss:
-        trainer.evaluate_fitting()
-    record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
+    metrics = fit_and_record(trainer, record, cfg)
     if robustness:  # the final model, into this record
         evaluated = trainer.ema.module if settings.ema else trainer.module
         metrics["robustness"] = evaluate_robustness(

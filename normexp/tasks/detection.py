@@ -20,10 +20,11 @@ from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..metrics.coco import STATS, coco_evaluate, coco_results
 from ..models import build_backbone
+from ..models.base import DENSE_FEATURES
 from ..models.detection import DETECTORS, build_detector
 from ..models.stats import count_params
 from ..tracking.records import RunRecord
-from . import Task, backbone_task, evaluated, register_task
+from . import Task, backbone_task, evaluated, fit_and_record, register_task
 from .pretrained import HEAD, load_starting_weights, starting_weights
 
 log = logging.getLogger(__name__)
@@ -73,16 +74,6 @@ def check_detector(cfg: Any) -> None:
     """A detector torchvision builds."""
     if cfg.task.detector not in DETECTORS:
         raise UserError(f"unknown task.detector '{cfg.task.detector}'; available: {', '.join(DETECTORS)}")
-
-
-def check_detection(cfg: Any) -> None:
-    """Before any work: the detector, and the starting run's weights against the dense backbone they go into
-    (built on the meta device), so that a mismatch is refused before the run's record exists."""
-    check_detector(cfg)
-    if cfg.task.get("pretrained"):
-        prepared = with_pretrained_backbone(cfg)
-        with torch.device("meta"):
-            load_backbone_weights(build_backbone(prepared.backbone, prepared.norm, dense=True), prepared)
 
 
 def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
@@ -160,8 +151,7 @@ def run_detection(cfg: Any, record: RunRecord) -> dict[str, Any]:
              cfg.backbone.name, cfg.norm.name, record.summary["params"] / 1e6,
              record.summary["backbone_params"] / 1e6, data.root)
     trainer = DetectionTrainer(cfg.trainer, model, data, record)
-    metrics = trainer.fit()
-    record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
+    metrics = fit_and_record(trainer, record, cfg)
     final = metrics["final"]
     if record.writes:
         print(" ".join(f"{k}={v:.3f}" for k, v in final.items() if isinstance(v, float)), flush=True)
@@ -177,6 +167,12 @@ def detection_settings(values: dict[str, Any]) -> dict[str, Any]:
     return {"detector": values["task"].get("detector"), "pretrained": values["task"].get("pretrained")}
 
 
+def build_detection(cfg: Any) -> nn.Module:
+    """The detector the task trains (the starting run's weights loaded: on the meta device, checked only)."""
+    return build_detection_model(cfg, cfg.data.num_classes + 1)  # + background, label 0
+
+
 register_task(Task("detection", run_detection, data=("coco", "coco_digits"), metrics=metric_names,
-                   check=check_detection, prepare=with_pretrained_backbone, dense=True,
+                   check=check_detector, prepare=with_pretrained_backbone, build=build_detection,
+                   need=DENSE_FEATURES,
                    starts_from="task.pretrained", settings=detection_settings))

@@ -35,7 +35,7 @@ from ..models import backbone_arguments, build_model, create_model
 from ..models.dino import DINOHead, MultiCropNetwork, interpolate_positions
 from ..models.stats import count_params
 from ..tracking.records import RunRecord
-from . import Task, evaluated, register_task
+from . import Task, evaluated, fit_and_record, register_task
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +213,7 @@ def build_network(cfg: Any, drop_path: bool = True) -> MultiCropNetwork:
 
 
 def check_dino(cfg: Any) -> None:
-    """Before any work: local crops no larger than the images, which the patches tile, and networks that
-    build (on the meta device)."""
+    """Before any work: local crops no larger than the images, which the patches tile, and the schedules."""
     t = cfg.task
     if t.local_size > cfg.data.img_size:
         raise UserError(f"task.local_size={t.local_size}: the local crops are smaller than the images "
@@ -234,8 +233,6 @@ def check_dino(cfg: Any) -> None:
     if t.lr_schedule == "dino" and cfg.trainer.sched_on != "update":
         raise UserError("task.lr_schedule=dino sets the lr every update (main_dino.py): set "
                         "trainer.sched_on=update, or use task.lr_schedule=timm")
-    with torch.device("meta"):
-        build_network(cfg)
 
 
 class DINOTrainer(Trainer):
@@ -335,9 +332,7 @@ def run_dino(cfg: Any, record: RunRecord) -> dict[str, Any]:
              cfg.task.local_crops)
     trainer = DINOTrainer(cfg.trainer, student, teacher, data, record, cfg.task,
                           get_probes(cfg.task.get("probes")))
-    metrics = trainer.fit()
-    record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
-    return metrics
+    return fit_and_record(trainer, record, cfg)
 
 
 def teacher_backbone(state: dict[str, Any], ema: bool | None) -> tuple[dict[str, Any], str]:
@@ -369,5 +364,6 @@ RANGES = {
 }
 
 register_task(Task("dino", run_dino, data=("digits", "imagenet"), metrics=metric_names, check=check_dino,
+                   build=build_network,
                    backbone_weights=teacher_backbone, settings=dino_settings,
                    backbone_model=lambda cfg: build_network(cfg, drop_path=False).backbone, ranges=RANGES))

@@ -27,8 +27,9 @@ from ..models import backbone_arguments, build_model, create_model
 from ..models.mae import MaskedAutoencoder, unpatchify
 from ..models.registry import model_classes
 from ..models.stats import count_params
+from ..tracking.provenance import stream_generator
 from ..tracking.records import RunRecord
-from . import Task, evaluated, register_task
+from . import Task, evaluated, fit_and_record, register_task
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ ENCODER = "encoder."
 
 
 def build_mae(cfg: Any) -> MaskedAutoencoder:
-    """The masked autoencoder of ``cfg``: its backbone (no head) as the encoder, ``task.decoder``."""
+    """The masked autoencoder of ``cfg``: its backbone (no head) as the encoder, ``task.decoder``; a mask
+    that keeps none of its patches is one line."""
     name, kwargs = backbone_arguments(cfg.backbone)
     kwargs.update(num_classes=0, global_pool="token")  # an encoder: no head, and its final norm
     decoder = cfg.task.decoder
@@ -45,12 +47,17 @@ def build_mae(cfg: Any) -> MaskedAutoencoder:
         return MaskedAutoencoder(create_model(name, **kwargs), decoder.dim, decoder.depth, decoder.heads,
                                  mask_ratio=cfg.task.mask_ratio, norm_pix_loss=cfg.task.norm_pix_loss)
 
-    return build_model(construct, cfg.norm, f"MAE over backbone '{name}'")
+    model = build_model(construct, cfg.norm, f"MAE over backbone '{name}'")
+    patches = model.grid[0] * model.grid[1]
+    if int(patches * (1 - cfg.task.mask_ratio)) < 1:
+        raise UserError(f"task.mask_ratio={cfg.task.mask_ratio} keeps none of the {patches} patches of "
+                        f"backbone={name} at data.img_size={cfg.data.img_size}: use at most "
+                        f"{1 - 1 / patches:.4g}")
+    return model
 
 
 def check_mae(cfg: Any) -> None:
-    """Before any work (the mask ratio's range: ``RANGES``): a ViT backbone, a mask that keeps a patch, and a
-    model that builds (on the meta device)."""
+    """Before any work (the mask ratio's range: ``RANGES``): a ViT backbone and crops of a real area."""
     name = cfg.backbone.name
     if not all(issubclass(c, VisionTransformer) for c in model_classes(name)):
         raise UserError(f"MAE needs a ViT backbone (got {name}): its encoder sees the visible patches as "
@@ -58,13 +65,6 @@ def check_mae(cfg: Any) -> None:
     scale = list(cfg.task.crop_scale)
     if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
         raise UserError(f"task.crop_scale={scale}: [min, max] areas of the crop, 0 < min <= max <= 1")
-    with torch.device("meta"):
-        model = build_mae(cfg)
-    patches = model.grid[0] * model.grid[1]
-    if int(patches * (1 - cfg.task.mask_ratio)) < 1:
-        raise UserError(f"task.mask_ratio={cfg.task.mask_ratio} keeps none of the {patches} patches of "
-                        f"backbone={name} at data.img_size={cfg.data.img_size}: use at most "
-                        f"{1 - 1 / patches:.4g}")
 
 
 def mae_views(crop_scale: tuple[float, float], hflip: float) -> Any:
@@ -124,7 +124,7 @@ class MAETrainer(Trainer):
         """Masking noise from a generator of its own (0: validation, 1: picture, 2: probe), fixed per
         epoch."""
         rank = distributed.info().rank
-        return torch.Generator().manual_seed((self.seed * 1_000_003 + stream) * 1_009 + rank)
+        return stream_generator(self.seed, stream, rank)
 
     def compute_loss(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast():
@@ -185,9 +185,7 @@ def run_mae(cfg: Any, record: RunRecord) -> dict[str, Any]:
              cfg.task.mask_ratio)
     trainer = MAETrainer(cfg.trainer, model, data, record, cfg.task, cfg.seed,
                          get_probes(cfg.task.get("probes")))
-    metrics = trainer.fit()
-    record.update(metrics=metrics, images_per_s=round(trainer.images_per_s, 2))
-    return metrics
+    return fit_and_record(trainer, record, cfg)
 
 
 def metric_names(values: dict[str, Any]) -> list[str]:
@@ -207,5 +205,5 @@ RANGES = {"mask_ratio": rng(above=0, below=1, type=float), "hflip": rng(0, 1, ty
           **{f"decoder.{key}": rng(1, type=int) for key in ("dim", "depth", "heads")}}
 
 register_task(Task("mae", run_mae, data=("digits", "imagenet"), metrics=metric_names, check=check_mae,
-                   backbone_weights=encoder_weights, backbone_model=lambda cfg: build_mae(cfg).encoder,
-                   settings=mae_settings, ranges=RANGES))
+                   build=build_mae, backbone_weights=encoder_weights,
+                   backbone_model=lambda cfg: build_mae(cfg).encoder, settings=mae_settings, ranges=RANGES))

@@ -9,6 +9,7 @@ import os
 import platform
 import random
 import subprocess
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,29 @@ IDENTITY_DEFAULTS: dict[str, Any] = {"trial": 0, "trainer.decay_epochs": None, "
                                      "norm.blend": 0.0, "norm.flat": 0.0, "norm.negate": False,
                                      "norm.prescale": 1.0, "task.eval_train_loss": False,
                                      "data.train_fraction": 1.0}
+# Keys taken out of the config after runs were made, put back for the identity at the value those runs had:
+# the DiT family's backbone.kind, 'diffusion' (a task's need is checked against the model class's serves).
+RETIRED_KEYS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "backbone.kind": lambda c: "diffusion" if str(c.get("backbone", {}).get("name", "")).startswith("dit_")
+    else None}
+
+
+SPREAD = (1_000_003, 1_009)  # primes far apart, so that nearby seeds and streams never share a value
+
+
+def stream_seed(seed: int, *streams: int, spread: tuple[int, ...] = SPREAD) -> int:
+    """The seed of one random stream of a run: ``seed`` folded with each stream index in turn (``value *
+    spread[i] + streams[i]``), so that each (epoch, rank, purpose) draws numbers of its own and the same
+    ones on every rerun or resume. Every seeded stream of normexp comes from here."""
+    value = seed
+    for stream, factor in zip(streams, spread, strict=False):
+        value = value * factor + stream
+    return value
+
+
+def stream_generator(seed: int, *streams: int, spread: tuple[int, ...] = SPREAD) -> torch.Generator:
+    """A CPU generator seeded with :func:`stream_seed`."""
+    return torch.Generator().manual_seed(stream_seed(seed, *streams, spread=spread))
 
 
 def seed_everything(seed: int) -> None:
@@ -122,8 +146,16 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def config_hash(config: dict[str, Any]) -> str:
     """Identity of a run: sha256 of its resolved config (seed included), less ``NON_IDENTITY_KEYS`` and the
-    ``IDENTITY_DEFAULTS`` keys that hold their default."""
+    ``IDENTITY_DEFAULTS`` keys that hold their default, with the ``RETIRED_KEYS`` its runs had."""
     identity = copy.deepcopy(config)
+    for key, value_of in RETIRED_KEYS.items():
+        *parents, leaf = key.split(".")
+        node = identity
+        for parent in parents:
+            node = node.get(parent) if isinstance(node, dict) else None
+        value = value_of(identity)
+        if isinstance(node, dict) and leaf not in node and value is not None:
+            node[leaf] = value
     for key in (*NON_IDENTITY_KEYS, *IDENTITY_DEFAULTS):
         *parents, leaf = key.split(".")
         node = identity

@@ -10,7 +10,7 @@ import torch
 from conftest import compose_cfg
 
 from normexp.errors import UserError
-from normexp.models import build_backbone, check_buildable, list_models, registry
+from normexp.models import build_backbone, list_models, registry
 from normexp.models.base import CLASSIFICATION, DENSE_FEATURES, DIFFUSION, NEEDS, Backbone, served
 from normexp.models.registry import model_classes, serving
 from normexp.tasks import get_task
@@ -48,9 +48,10 @@ def test_a_plain_model_serves_dense_features_only_with_its_pyramid():
 def test_a_dense_task_refuses_a_backbone_without_dense_features_in_one_line():
     """vit_micro_star (no dense block in its config) under task=detection: refused before any work."""
     cfg = compose_cfg("task=detection", "backbone=vit_micro_star")
-    assert get_task(cfg.task.name).dense
-    with pytest.raises(UserError) as refused:
-        check_buildable(cfg.backbone, cfg.norm, dense=True)
+    task = get_task(cfg.task.name)
+    assert task.need == DENSE_FEATURES
+    with pytest.raises(UserError) as refused, torch.device("meta"):
+        task.build(task.prepare(cfg))
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith("backbone 'vit_micro_star' serves classification, not dense features (")

@@ -19,6 +19,7 @@ from PIL import Image
 from torch.utils.data import TensorDataset
 
 from normexp.analysis.core import analyse, load_run
+from normexp.data.images import center_crop_arr
 from normexp.data.loaders import default_cache_dir, make_loader
 from normexp.errors import UserError
 from normexp.metrics.fid import frechet_distance, inception_score, load_reference, statistics
@@ -27,6 +28,7 @@ from normexp.models.features import DigitsFeatures, InceptionFeatures, as_uint8
 from normexp.models.vae import LatentCodec, random_sd_vae
 from normexp.run import run
 from normexp.tasks import dit as dit_task
+from normexp.tasks import dit_sampling
 from normexp.tracking.records import read_config, read_metrics
 
 
@@ -96,14 +98,14 @@ def test_reference_adm_is_adms_batch_in_the_cache_and_one_line_where_missing(tmp
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
     cfg = dit_cfg("task.fid.reference=adm", "task.fid.features=inception")
     with pytest.raises(UserError) as error:
-        dit_task.reference_source(cfg)
+        dit_sampling.reference_source(cfg)
     message = str(error.value)
     assert "VIRTUAL_imagenet8_labeled.npz" in message and "\n" not in message
     assert "openaipublic.blob.core.windows.net/diffusion/jul-2021/ref_batches/imagenet/8/" in message
     (tmp_path / "VIRTUAL_imagenet8_labeled.npz").write_bytes(b"")
-    assert dit_task.reference_source(cfg) == str(tmp_path / "VIRTUAL_imagenet8_labeled.npz")
+    assert dit_sampling.reference_source(cfg) == str(tmp_path / "VIRTUAL_imagenet8_labeled.npz")
     with pytest.raises(UserError, match="task.fid.reference=adm is ADM's ImageNet batch"):
-        dit_task.reference_source(dit_cfg("task.fid.reference=adm"))  # the digits' features
+        dit_sampling.reference_source(dit_cfg("task.fid.reference=adm"))  # the digits' features
 
 
 def test_sampling_continues_from_its_finished_shards(trained, tmp_path, monkeypatch):
@@ -117,11 +119,12 @@ def test_sampling_continues_from_its_finished_shards(trained, tmp_path, monkeypa
     model = build_backbone(cfg.backbone, cfg.norm)
     model.load_state_dict(torch.load(run_dir / "checkpoint.pth", weights_only=True)["ema"])
     made = []
-    sampler = dit_task.Sampler(model, cfg.task, 10, (3, 8, 8), None, torch.device("cpu"), cfg.seed)
+    sampler = dit_sampling.Sampler(model, cfg.task, 10, (3, 8, 8), None, torch.device("cpu"), cfg.seed)
     real = sampler.images
     monkeypatch.setattr(sampler, "images", lambda labels, stream: made.append(stream) or real(labels, stream))
-    extractor = dit_task.digits_features(cfg.data, default_cache_dir("feature_nets")).requires_grad_(False)
-    paths = dit_task.generate_shards(sampler, extractor, folder, cfg.task.fid)
+    extractor = dit_sampling.digits_features(cfg.data, default_cache_dir("feature_nets"))
+    extractor.requires_grad_(False)
+    paths = dit_sampling.generate_shards(sampler, extractor, folder, cfg.task.fid)
     assert made == [1] and not list(folder.glob(".*"))
     original = np.load(run_dir / "shards" / paths[1].name)["features"]
     np.testing.assert_array_equal(np.load(paths[1])["features"], original)
@@ -154,8 +157,9 @@ def test_analyze_feeds_the_trained_dit_its_noised_images(trained):
 
 
 def test_a_dit_run_is_no_backbone_to_fine_tune(trained, tmp_path):
-    with pytest.raises(UserError, match="is a dit run, whose checkpoint holds a diffusion model, no image "
-                                        "backbone to start from: give a run of classification, dino, mae"):
+    with pytest.raises(UserError, match="is a dit run, whose checkpoint holds a diffusion model, no "
+                                        "classification backbone to start from: give a run of "
+                                        "classification, dino, mae"):
         run(quick_cfg(f"task.pretrained={trained[1]}"), tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
@@ -211,7 +215,7 @@ def test_reference_statistics_of_another_resolution_or_size_are_one_line(tmp_pat
 def test_adms_centre_crop():
     image = Image.new("RGB", (300, 200), (0, 0, 0))
     image.paste((255, 0, 0), (140, 90, 160, 110))  # a red square at the centre
-    crop = dit_task.center_crop_arr(image, 32)  # box-halved to 150x100, bicubic to 48x32, centre 32x32
+    crop = center_crop_arr(image, 32)  # box-halved to 150x100, bicubic to 48x32, centre 32x32
     assert crop.size == (32, 32)
     pixels = np.asarray(crop)
     assert pixels[16, 16, 0] > 200 and pixels[0, 0, 0] < 10
@@ -269,7 +273,7 @@ def test_a_latent_run_denoises_the_vaes_latents_from_a_cache_encoded_once(tmp_pa
     (["data.num_classes=5"], "data.num_classes=5, but data=digits has 10 classes"),
     (["task.sampling_steps=2000"], "task.sampling_steps=2000: cannot take 2000 steps"),
     (["task.sampling_steps=0"], "task.sampling_steps=0: '0' keeps no steps"),
-    (["backbone=vit_micro"], "backbone=vit_micro is a model of kind 'image'"),
+    (["backbone=vit_micro"], "backbone=vit_micro serves classification, dense features (for task="),
     (["task.vae=/nowhere/vae", "data.img_size=12"], "data.img_size=12: the VAE needs a multiple of 8"),
     (["task.checkpoint=/nowhere/run"], "no checkpoint at"),
     (["task.latent_cache=/tmp/cache"], "task.latent_cache keeps the VAE's latents: set task.vae too"),

@@ -20,7 +20,7 @@ from normexp.errors import UserError, storage_error
 from normexp.metrics.fid import load_reference
 from normexp.models.features import DigitsFeatures
 from normexp.models.vae import LatentCodec, random_sd_vae
-from normexp.tasks import dit as dit_task
+from normexp.tasks import dit_sampling
 from normexp.tasks.latent_cache import CachedLatents, cache_folder, encode_dataset, read_shard, shard_sizes
 
 
@@ -120,7 +120,7 @@ def test_a_damaged_sample_shard_is_made_again_and_a_damaged_reference_is_one_lin
     shard = tmp_path / "shard-00000.npz"
     np.savez(shard, labels=np.arange(4), features=np.ones((4, 64)), logits=np.ones((4, 10)))
     flip_a_byte_inside(shard)
-    assert dit_task.read_shard(shard, 4, 64) is None
+    assert dit_sampling.read_shard(shard, 4, 64) is None
     reference = tmp_path / "reference.npz"
     np.savez(reference, mu=np.zeros(64), sigma=np.eye(64), resolution=8)
     flip_a_byte_inside(reference)
@@ -136,15 +136,15 @@ def test_the_cached_reference_statistics_and_digits_net_are_checked_and_made_aga
     cfg = quick_cfg("task=dit")
     torch.manual_seed(0)
     extractor = DigitsFeatures().eval().requires_grad_(False)
-    stats = dit_task.reference_statistics(cfg, extractor, torch.device("cpu"))
+    stats = dit_sampling.reference_statistics(cfg, extractor, torch.device("cpu"))
     (cached,) = tmp_path.glob("digits-*.npz")
     flip_a_byte_inside(cached)
-    again = dit_task.reference_statistics(cfg, extractor, torch.device("cpu"))
+    again = dit_sampling.reference_statistics(cfg, extractor, torch.device("cpu"))
     np.testing.assert_array_equal(again["sigma"], stats["sigma"])
-    net = dit_task.digits_features(cfg.data, tmp_path, epochs=1)
+    net = dit_sampling.digits_features(cfg.data, tmp_path, epochs=1)
     (weights,) = tmp_path.glob("digits-*.pt")
     flip_a_byte_inside(weights)
-    retrained = dit_task.digits_features(cfg.data, tmp_path, epochs=1)
+    retrained = dit_sampling.digits_features(cfg.data, tmp_path, epochs=1)
     for name, tensor in net.state_dict().items():
         assert torch.equal(retrained.state_dict()[name], tensor), name
     assert sum("is damaged" in r.getMessage() for r in caplog.records) == 2
