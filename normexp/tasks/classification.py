@@ -33,13 +33,14 @@ from ..models.foreign import is_foreign, read_foreign
 from ..models.stats import count_gmacs, count_params
 from ..tracking.records import RunRecord, read_summary
 from ..tracking.run_dir import resolve_source
-from . import Task, backbone_task, evaluated, fit_and_record, register_task
+from . import Task, evaluated, fit_and_record, register_task
 from .conversion import calibrate_and_compare, check_calibration, converted_layers
 from .pretrained import (
     HEAD,
     foreign_source_config,
     load_starting_weights,
     resized_position_embedding,
+    source_config,
     starting_weights,
     without_source_norm,
 )
@@ -129,10 +130,9 @@ def with_pretrained_model(cfg: DictConfig) -> DictConfig:
     source = cfg.task.get("pretrained")
     if not source or is_foreign(source):
         return cfg
-    trained = checkpoint_run_config(source)
-    if trained is None:  # a bare checkpoint: the configured model
+    trained = source_config(source, "task.pretrained")
+    if trained is None:
         return cfg
-    backbone_task(trained, source)
     if trained["backbone"]["name"] != cfg.backbone.name:
         raise UserError(f"task.pretrained '{source}' is a run of backbone={trained['backbone']['name']}; "
                         f"this run builds backbone={cfg.backbone.name}: fine-tune the same backbone")

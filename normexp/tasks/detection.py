@@ -15,7 +15,6 @@ from tqdm import tqdm
 
 from .. import CONFIG_DIR, distributed
 from ..data.coco import DetectionData, build_detection_data
-from ..engine.checkpoint import checkpoint_run_config
 from ..engine.trainer import Trainer
 from ..errors import UserError
 from ..metrics.coco import STATS, coco_evaluate, coco_results
@@ -24,8 +23,8 @@ from ..models.base import DENSE_FEATURES
 from ..models.detection import DETECTORS, build_detector
 from ..models.stats import count_params
 from ..tracking.records import RunRecord
-from . import Task, backbone_task, evaluated, fit_and_record, register_task
-from .pretrained import HEAD, load_starting_weights, starting_weights
+from . import Task, evaluated, fit_and_record, register_task
+from .pretrained import HEAD, load_starting_weights, source_config, starting_weights
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +81,9 @@ def with_pretrained_backbone(cfg: DictConfig) -> DictConfig:
     check_detector(cfg)
     if not cfg.task.get("pretrained"):
         return cfg
-    trained = checkpoint_run_config(cfg.task.pretrained)
+    trained = source_config(cfg.task.pretrained, "task.pretrained")
     if trained is None:
-        log.info("pretrained checkpoint %s stores no config: using the configured backbone",
-                 cfg.task.pretrained)
         return cfg
-    backbone_task(trained, cfg.task.pretrained)  # a run whose checkpoint holds a backbone
     if (trained["backbone"]["name"], trained["norm"]["name"]) != (cfg.backbone.name, cfg.norm.name):
         log.info("backbone from %s: %s with norm=%s (configured: %s with norm=%s)", cfg.task.pretrained,
                  trained["backbone"]["name"], trained["norm"]["name"], cfg.backbone.name, cfg.norm.name)

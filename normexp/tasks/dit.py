@@ -26,7 +26,6 @@ from ..data.images import center_crop_arr
 from ..data.loaders import make_loader, set_epoch
 from ..diffusion import GaussianDiffusion, spaced_steps
 from ..engine.checkpoint import (
-    checkpoint_run_config,
     load_checkpoint,
     load_model_state,
     reported_weights,
@@ -50,6 +49,7 @@ from ..tracking.records import RunRecord
 from . import ModelInput, Task, evaluated, fit_and_record, register_task
 from .dit_sampling import feature_kind, reference_source, sample_and_score
 from .latent_cache import CachedLatents, cache_folder, encode_dataset, shard_sizes
+from .pretrained import source_config
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,8 @@ def with_model_input(cfg: DictConfig) -> DictConfig:
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
         if cfg.task.checkpoint:
-            trained = checkpoint_run_config(cfg.task.checkpoint)
-            if trained is None or trained.get("task", {}).get("name") != "dit":
+            trained = source_config(cfg.task.checkpoint, "task.checkpoint", DIFFUSION)
+            if trained is None:
                 raise UserError(f"task.checkpoint={cfg.task.checkpoint} is not a run of task=dit")
             for key in ("img_size", "num_classes"):
                 if trained["data"].get(key) != cfg.data.get(key):

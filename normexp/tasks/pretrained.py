@@ -5,6 +5,7 @@ encoder's final norm under ``fc_norm``, as MAE's fine-tuning) go unused; any oth
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -13,16 +14,29 @@ from timm.layers import resample_abs_pos_embed
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..engine.checkpoint import load_checkpoint
+from ..engine.checkpoint import checkpoint_run_config, load_checkpoint
 from ..errors import UserError
 from ..models import build_backbone
+from ..models.base import CLASSIFICATION
 from ..models.foreign import is_foreign
 from ..tracking.records import effective_status, load_record
 from ..tracking.run_dir import resolve_source
 from . import Task, backbone_task
 
+log = logging.getLogger(__name__)
 HEAD = ("head.", "fc_norm.")  # what a classifier adds to a backbone
 PARAMETRIZED = ".parametrizations."  # torch.nn.utils.parametrize's keys: <module>.parametrizations.<name>...
+
+
+def source_config(source: Any, what: str, need: str = CLASSIFICATION) -> dict[str, Any] | None:
+    """The one rule for reading the run a task starts from (``what``: its key): the config of the run that
+    wrote ``source``, refused in one line when it holds no ``need`` model; None if it stores none (logged)."""
+    trained = checkpoint_run_config(source)
+    if trained is None:
+        log.info("%s=%s stores no config: the configured model", what, source)
+        return None
+    backbone_task(trained, source, need)
+    return trained
 
 
 def source_run(cfg: DictConfig, task: Task) -> dict[str, Any] | None:

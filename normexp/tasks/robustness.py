@@ -18,7 +18,7 @@ from torch import nn
 from .. import distributed
 from ..data.corruptions import CorruptionSuite, build_corruption_suite
 from ..data.loaders import default_cache_dir, make_loader
-from ..engine.checkpoint import checkpoint_run_config, load_checkpoint, load_model_state
+from ..engine.checkpoint import load_checkpoint, load_model_state
 from ..engine.evaluate import count_predictions, show_progress
 from ..engine.precision import Precision, resolve_device
 from ..errors import UserError
@@ -40,6 +40,7 @@ from ..models import build_backbone
 from ..models.stats import count_params
 from ..tracking.records import RunRecord, read_config, read_summary
 from . import Task, register_task
+from .pretrained import source_config
 
 log = logging.getLogger(__name__)
 
@@ -250,9 +251,8 @@ def with_checkpoint_model(cfg: DictConfig) -> DictConfig:
     """The config with the checkpoint run's backbone and norm; data must match the run's dataset, size and
     classes (other differences are reported)."""
     require_checkpoint(cfg)
-    trained = checkpoint_run_config(cfg.task.checkpoint)
+    trained = source_config(cfg.task.checkpoint, "task.checkpoint")
     if trained is None:
-        log.info("checkpoint %s stores no config: evaluating the configured model", cfg.task.checkpoint)
         return cfg
     trained_data = trained["data"]
     if trained_data["name"] != cfg.data.name:
