@@ -234,7 +234,9 @@ def aggregate(plan: TablePlan) -> TableResult:
 
 
 def choose(spec: TableSpec, row: Row) -> None:
-    """``row.sweep`` and ``row.choice``: the best value whose seeds all completed (first of equals)."""
+    """``row.sweep`` and ``row.choice``: the best value whose seeds all completed (first of equals); a row
+    that tried one value and completed shows it without the metric ranked by (a ViT row where DiT's lr is
+    picked by FID)."""
     best = spec.best_of
     metric = next(m for m in spec.metrics if m.key == best.metric)
     for value in dict.fromkeys(p.choice for p, _ in row.points):
@@ -247,6 +249,9 @@ def choose(spec: TableSpec, row: Row) -> None:
     for value, mean in scored:
         if row.choice is None or best.better(mean, row.sweep[row.choice].mean):
             row.choice = value
+    (only, cell), *others = row.sweep.items()
+    if row.choice is None and not others and set(cell.markers) <= {"n/a"}:
+        row.choice = only
 
 
 def _cell(spec: TableSpec, metric: Metric, row: Row, base: Row | None) -> Cell:

@@ -154,7 +154,8 @@ def test_a_best_of_table_shows_each_rows_best_completed_lr_and_every_lr_tried(tm
     runs = {("vit_a", "ln", 0, 0.5): top1(70.0), ("vit_a", "ln", 1, 0.5): top1(72.0),
             ("vit_a", "ln", 0, 1.0): top1(75.0), ("vit_a", "ln", 1, 1.0): top1(73.0),
             ("vit_a", "dyt", 0, 0.5): top1(76.0), ("vit_a", "dyt", 0, 1.0): diverged,
-            ("vit_b", "ln", 0, 1.0): diverged}
+            ("vit_b", "ln", 0, 1.0): diverged,
+            ("vit_b", "dyt", 0, 1.0): {"status": "completed", "metrics": {}}}
     result = aggregate(fabricated_plan(tmp_path, spec, runs))
     md = to_markdown(result)
     header = next(line for line in md.splitlines() if line.startswith("| Model"))
@@ -165,6 +166,7 @@ def test_a_best_of_table_shows_each_rows_best_completed_lr_and_every_lr_tried(tm
     assert rows["ViT-A DyT"][3:5] == ["0.5", "0.5: 76.00 (1 run); 1.0: diverged@40"]
     assert rows["ViT-A DyT"][7] == "76.00 (1 run)" and rows["ViT-A DyT"][9] == "+2.00"  # against LN's best
     assert rows["ViT-B LN"][3:5] == ["—", "1.0: diverged@40"] and rows["ViT-B LN"][7] == "diverged@40"
+    assert rows["ViT-B DyT"][3:5] == ["1.0", "1.0: —"]  # its one lr, though it has no Top-1 to rank by
     # with two seeds, a value one of whose seeds diverged is not chosen over one whose seeds all completed
     runs.update({("vit_a", "dyt", 1, 0.5): diverged, ("vit_a", "dyt", 0, 2.0): top1(70.0),
                  ("vit_a", "dyt", 1, 2.0): top1(71.0)})
