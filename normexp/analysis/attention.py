@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .slots import norm_slot_names, slot_context
+from ..norms.placement import norm_slot_names
+from .slots import slot_context
 
 
 def cell_centres(grid: tuple[int, int], image: tuple[int, int]) -> torch.Tensor:

@@ -15,15 +15,16 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from ..engine.activation_probe import ActivationRecorder
 from ..engine.alpha_probe import ALPHA_KEY, STD_KEY
 from ..engine.checkpoint import load_checkpoint, load_model_state
 from ..errors import UserError
 from ..models import build_backbone
+from ..norms.placement import norm_slot_names
 from ..tracking.records import logged_rows, read_config, read_summary
-from .activations import ActivationRecorder
 from .attention import AttentionRecorder, AttentionResult
 from .io import IOSampler, SlotSample, io_numbers, scalar_alpha
-from .slots import hooked_slots, norm_slot_names
+from .slots import hooked_slots
 from .tokens import TokenMaps, TokenRecorder, default_token_slot
 
 ANALYSES = ("io", "alpha", "tokens", "attention", "activations")

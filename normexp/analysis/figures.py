@@ -195,7 +195,7 @@ def analyse_runs(spec: FigureSpec, runs: list[FigureRun]) -> None:
             loaded = load_run(run.record.dir)
             slots = None
             if spec.analysis == "io":
-                from .slots import norm_slot_names
+                from ..norms.placement import norm_slot_names
 
                 slots = select_slots(norm_slot_names(loaded.model), list(spec.slots) or None, spec.max_slots)
             row.analysis = analyse(loaded, [spec.analysis], images=spec.images, seed=spec.seed,

@@ -13,25 +13,6 @@ import torch
 from torch import nn
 
 from ..norms.placement import SLOT_TYPES, slot_shape
-from ..norms.registry import get_norm_class, list_norms
-
-
-def _slot_types() -> tuple[type[nn.Module], ...]:
-    # registered late (a plugin's normalizer) included
-    return (*SLOT_TYPES, *(get_norm_class(name) for name in list_norms()))
-
-
-def norm_slot_names(model: nn.Module) -> list[str]:
-    """Names of the norm slots of a built model, in module order (outermost slot modules only)."""
-    types = _slot_types()
-    names: list[str] = []
-    for name, module in model.named_modules():
-        if not name or not isinstance(module, types):
-            continue
-        if names and name.startswith(names[-1] + "."):
-            continue  # inside the slot just listed
-        names.append(name)
-    return names
 
 
 def slot_format(module: nn.Module) -> str:

@@ -14,12 +14,13 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from .activation_probe import activation_probe
 from .alpha_probe import alpha_probe
 
 Forward = Callable[[torch.Tensor], Any]
 Probe = Callable[[nn.Module, Any, Forward | None], dict[str, float]]
 
-PROBES: dict[str, Probe] = {"alpha": alpha_probe}
+PROBES: dict[str, Probe] = {"alpha": alpha_probe, "activations": activation_probe}
 
 
 def register_probe(name: str, probe: Probe) -> Probe:

@@ -230,6 +230,8 @@ class Trainer:
         self.step_epoch_schedule(epoch)
         train_stats = self.train_one_epoch(epoch)
         row = {"epoch": epoch + 1, "step": self.update, **train_stats}
+        for probe in self.probes:  # the trained model's, into the final metrics too (tables read them)
+            row.update(probe(self.module, self.data.val, self.probe_forward()))
         if (epoch + 1) % self.cfg.eval_interval == 0 or epoch + 1 == self.cfg.epochs:
             row.update(self.evaluate(self.module, "val"))
             if self.ema is not None:
@@ -242,8 +244,6 @@ class Trainer:
             self.metrics = {"final": final, "best": best, "reported": self.reported(final)}
             log.info("epoch %d/%d  %s", epoch + 1, self.cfg.epochs,
                      "  ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
-        for probe in self.probes:
-            row.update(probe(self.module, self.data.val, self.probe_forward()))
         self.record.log(row)
         self.epoch, self.batch = epoch + 1, 0
         if self.cfg.checkpoint:

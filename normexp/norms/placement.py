@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from .registry import NormLayer
+from .registry import NormLayer, get_norm_class, list_norms
 
 SLOT_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.modules.batchnorm._BatchNorm, nn.GroupNorm)
 
@@ -50,6 +50,24 @@ def fix_affine(layer: nn.Module, dim: int) -> nn.Module:
 def norm_slots(model: nn.Module) -> list[str]:
     """Names of the norm slots of ``model``, in module order."""
     return [name for name, m in model.named_modules() if isinstance(m, SLOT_TYPES)]
+
+
+def _slot_types() -> tuple[type[nn.Module], ...]:
+    # registered late (a plugin's normalizer) included
+    return (*SLOT_TYPES, *(get_norm_class(name) for name in list_norms()))
+
+
+def norm_slot_names(model: nn.Module) -> list[str]:
+    """Names of the norm slots of a built model, in module order (outermost slot modules only)."""
+    types = _slot_types()
+    names: list[str] = []
+    for name, module in model.named_modules():
+        if not name or not isinstance(module, types):
+            continue
+        if names and name.startswith(names[-1] + "."):
+            continue  # inside the slot just listed
+        names.append(name)
+    return names
 
 
 def replace_norms(

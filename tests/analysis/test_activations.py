@@ -1,4 +1,4 @@
-"""The per-layer activation statistics of ``normexp analyze`` (:mod:`normexp.analysis.activations`) against
+"""The per-layer activation statistics of ``normexp analyze`` (:mod:`normexp.engine.activation_probe`) against
 direct computations: kurtosis and max |x| of each norm slot's input (arXiv 2511.23225), and the saturated
 fraction of point-wise layers, for DyT exactly arXiv 2604.23434's share of ``|alpha x| > 2``."""
 
@@ -10,9 +10,10 @@ import torch
 from conftest import compose_cfg
 from torch import nn
 
-from normexp.analysis.activations import SATURATED_SLOPE, ActivationRecorder
-from normexp.analysis.slots import hooked_slots, norm_slot_names
+from normexp.analysis.slots import hooked_slots
+from normexp.engine.activation_probe import SATURATED_SLOPE, ActivationRecorder
 from normexp.models import build_backbone
+from normexp.norms.placement import norm_slot_names
 from normexp.norms.pointwise import PointWise
 
 

@@ -14,11 +14,11 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from normexp.analysis.io import SATURATION, IOSampler, fit_tanh, io_numbers
-from normexp.analysis.slots import hooked_slots, norm_slot_names
+from normexp.analysis.slots import hooked_slots
 from normexp.models import build_backbone
 from normexp.models.registry import create_model
 from normexp.norms import norm_layer_factory
-from normexp.norms.placement import norm_slots
+from normexp.norms.placement import norm_slot_names, norm_slots
 
 
 class Tiny(nn.Module):

@@ -2,11 +2,13 @@
 layers, the saturated fraction (arXiv 2604.23434: DyT's share of ``|alpha x| > 2``), read from the layer: its
 slope at each input (autograd) below ``tanh'(2) / tanh'(0)`` times its slope at the function's centre (the
 affine cancels). The centre is ``alpha x + s = 0``, or the edge of a flat zone (Derf Table 5), whose inputs
-then count as flat."""
+then count as flat. ``normexp analyze`` reports them per slot; the ``activations`` probe
+(``task.probes=[alpha,activations]``) logs their summary each epoch and into the final metrics, for tables."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,8 @@ import torch
 from torch import nn
 
 from ..norms.kernels.pointwise import channel_shape
+from ..norms.placement import norm_slot_names
+from .alpha_probe import probe_batch
 
 SATURATED_SLOPE = 1 - math.tanh(2.0) ** 2  # tanh's slope at 2 relative to its slope at 0
 
@@ -89,3 +93,40 @@ def slopes(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # forward, not __call__: inside a forward hook, that would run the hook again
         (slope,) = torch.autograd.grad(module.forward(inputs).float().sum(), inputs)
     return slope
+
+
+ACTIVATIONS_KEY = "activations/"
+
+
+@torch.no_grad()
+def activation_probe(model: nn.Module, loader: Any, forward: Callable[[torch.Tensor], Any] | None = None
+                     ) -> dict[str, float]:
+    """Over every norm slot, on the probe batch: ``activations/kurtosis`` (the slots' mean),
+    ``activations/max_abs`` (their largest) and, with point-wise slots, ``activations/saturated_fraction``
+    (the share of all their input elements that saturate)."""
+    slots = norm_slot_names(model)
+    batch = probe_batch(loader.dataset)
+    if not slots or batch is None:
+        return {}
+    recorder = ActivationRecorder()
+    handles = [model.get_submodule(name).register_forward_hook(
+        lambda module, args, out, _name=name: recorder(_name, module, args[0], out)) for name in slots]
+    was_training = model.training
+    try:
+        model.eval()
+        (forward or model)(batch.to(next(model.parameters()).device))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    rows = recorder.rows()
+    kurtosis = [r["kurtosis"] for r in rows if math.isfinite(r["kurtosis"])]
+    row = {ACTIVATIONS_KEY + "max_abs": max(r["max_abs"] for r in rows)}
+    if kurtosis:
+        row[ACTIVATIONS_KEY + "kurtosis"] = sum(kurtosis) / len(kurtosis)
+    pointwise = [r for r in rows if r["saturated_fraction"] is not None]
+    if pointwise:
+        elements = sum(r["elements"] for r in pointwise)
+        row[ACTIVATIONS_KEY + "saturated_fraction"] = sum(r["saturated_fraction"] * r["elements"]
+                                                          for r in pointwise) / elements
+    return row
