@@ -374,6 +374,8 @@ class Trainer:
         """``<prefix>/<metric>`` of ``model`` on the validation data (every process takes part)."""
         raise NotImplementedError
 
+    fit_metric = "loss"  # which of evaluate_train's numbers evaluate_fitting reports
+
     def evaluate_train(self, model: nn.Module, prefix: str) -> dict[str, float]:
         """``<prefix>/loss`` (and more) of ``model`` on its training data in eval mode (evaluate_fitting)."""
         raise NotImplementedError
@@ -388,7 +390,7 @@ class Trainer:
             scores.update(self.evaluate_train(self.ema.module, "ema/train_eval"))
         self.metrics["final"].update(scores)
         prefix = "ema/train_eval/" if self.ema is not None and self.cfg.ema.reported else "train_eval/"
-        self.metrics["reported"]["train_eval_loss"] = scores[f"{prefix}loss"]
+        self.metrics["reported"]["train_eval_loss"] = scores[prefix + self.fit_metric]
         log.info("evaluation-mode training loss: %s", "  ".join(f"{k}={v:.4g}" for k, v in scores.items()))
         return scores
 

@@ -163,6 +163,8 @@ class DiTTrainer(Trainer):
         loss = self.diffusion_loss(model, self.data.val, self.generator(0))
         return {f"{prefix}/loss": loss["loss"]}
 
+    fit_metric = "mse"  # Derf App. E reports the diffusion MSE, not the variance bound added to it
+
     def evaluate_train(self, model: nn.Module, prefix: str) -> dict[str, float]:
         """On the first epoch's first ``FIT_BATCHES`` training batches (Derf App. E: the flip is kept)."""
         set_epoch(self.data.train, 0)

@@ -5,6 +5,7 @@ one line. Killed processes: tests/tasks/test_pretraining_processes.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from torch.utils.data import TensorDataset
 from normexp.analysis.core import analyse, load_run
 from normexp.data.images import center_crop_arr
 from normexp.data.loaders import default_cache_dir, make_loader
+from normexp.diffusion import GaussianDiffusion
 from normexp.errors import UserError
 from normexp.metrics.fid import frechet_distance, inception_score, load_reference, statistics
 from normexp.models import build_backbone
@@ -71,7 +73,7 @@ def test_the_evaluation_mode_training_loss_is_the_diffusion_loss_on_100_batches(
     final = summary["metrics"]["final"]
     for prefix in ("train_eval", "ema/train_eval"):
         assert final[f"{prefix}/loss"] > final[f"{prefix}/mse"] > 0  # learn_sigma: the bound is added
-    assert summary["metrics"]["reported"]["train_eval_loss"] == final["ema/train_eval/loss"]
+    assert summary["metrics"]["reported"]["train_eval_loss"] == final["ema/train_eval/mse"]  # App. E's MSE
     seen = []
     monkeypatch.setattr(dit_task.DiTTrainer, "diffusion_loss",
                         lambda self, model, batches, generator: seen.append(len(list(batches))) or {})
@@ -80,6 +82,35 @@ def test_the_evaluation_mode_training_loss_is_the_diffusion_loss_on_100_batches(
     trainer.seed, trainer.data = 0, SimpleNamespace(train=batches)
     trainer.evaluate_train(None, "train_eval")
     assert seen == [dit_task.FIT_BATCHES] == [100]  # the first 100 training batches
+
+
+def test_the_diffusion_loss_in_eval_mode_against_a_direct_computation():
+    """Each batch noised at steps and with noise drawn in turn from the generator; the model in eval mode (DiT
+    drops class labels only in training); the MSE of its epsilon and the loss averaged over the images."""
+    cfg = dit_cfg()
+    torch.manual_seed(0)
+    model = build_backbone(cfg.backbone, cfg.norm)
+    diffusion = GaussianDiffusion.create(1000, learn_sigma=model.learn_sigma)
+    batches = [(torch.randn(5, 3, 8, 8), torch.randint(0, 10, (5,))) for _ in range(3)]
+    trainer = dit_task.DiTTrainer.__new__(dit_task.DiTTrainer)  # only what diffusion_loss reads
+    trainer.device, trainer.codec, trainer.diffusion = torch.device("cpu"), None, diffusion
+    trainer.precision = SimpleNamespace(autocast=contextlib.nullcontext)
+    scores = trainer.diffusion_loss(model, batches, torch.Generator().manual_seed(7))
+    assert model.training  # back in training mode
+
+    generator, mse, loss = torch.Generator().manual_seed(7), [], []
+    model.eval()
+    with torch.no_grad():
+        for x, y in batches:
+            t = torch.randint(0, 1000, (len(x),), generator=generator)
+            noise = torch.randn(x.shape, generator=generator)
+            a = torch.tensor(diffusion.alphas_cumprod, dtype=torch.float64)[t].float().view(-1, 1, 1, 1)
+            eps, _ = model(a.sqrt() * x + (1 - a).sqrt() * noise, t, y).split(3, dim=1)
+            mse.append(((eps - noise) ** 2).mean(dim=(1, 2, 3)))
+            loss.append(diffusion.training_losses(model, x, t, noise, y=y)["loss"])
+    assert scores["mse"] == pytest.approx(float(torch.cat(mse).mean()), rel=1e-5)
+    assert scores["loss"] == pytest.approx(float(torch.cat(loss).mean()), rel=1e-5)
+    assert scores["loss"] > scores["mse"]  # learned variance: the bound is added
 
 
 def test_a_dit_without_learned_variance_trains_and_counts_its_parameters_as_dit(tmp_path):
