@@ -650,9 +650,10 @@ def draw_bars(spec: TableSpec, scale: str, bars: list[Bar], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_curves(result: TableResult, path: Path) -> None:
+def plot_curves(result: TableResult, path: Path) -> bool:
     """Training loss per step and the headline validation metric per epoch of every run of the table; with the
-    spec's ``curves`` panels, one training-loss panel per panel instead (a paper's loss-curve figure)."""
+    spec's ``curves`` panels, one training-loss panel per panel instead (a paper's loss-curve figure). None
+    drawn (and an old one removed) where no run logged a training loss (a table of evaluations)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -664,6 +665,9 @@ def plot_curves(result: TableResult, path: Path) -> None:
     rows = [r for r in result.rows if r.same_as is None]
     runs = {run.run_id: run.record.dir for r in rows for _, run in r.shown if run.record is not None}
     logs = {run_id: found for run_id, where in runs.items() if (found := logged_rows(where)) is not None}
+    if not any("train/loss" in r for log in logs.values() for r in log):
+        path.unlink(missing_ok=True)
+        return False
     finals = [p.removeprefix("metrics.final.") for m in spec.metrics for p in m.value
               if p.startswith("metrics.final.")]  # the first the runs log (EMA's where there is an EMA)
     val_key = next((k for k in finals if any(k in r for log in logs.values() for r in log)), None)
@@ -708,6 +712,7 @@ def plot_curves(result: TableResult, path: Path) -> None:
     fig.tight_layout(rect=(0, min(0.06 * rows_of_legend, 0.4), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def _plot_run(run: Any, records: list[dict[str, Any]], ax_loss: Any, ax_val: Any, val_key: str | None,
@@ -742,8 +747,9 @@ def write_table(result: TableResult, out_dir: Path = RESULTS_DIR / "tables") -> 
         paths.append(out_dir / f"{result.spec.id}_across.csv")
         paths[-1].write_text(across_csv(result, across))
     plot_bars(result, stem.with_suffix(".png"))
-    plot_curves(result, out_dir / f"{result.spec.id}_curves.png")
-    paths += [stem.with_suffix(".png"), out_dir / f"{result.spec.id}_curves.png"]
+    paths.append(stem.with_suffix(".png"))
+    if plot_curves(result, out_dir / f"{result.spec.id}_curves.png"):
+        paths.append(out_dir / f"{result.spec.id}_curves.png")
     update_index(result, out_dir, readme)
     return paths
 

@@ -210,12 +210,18 @@ def test_pivot_layout_and_latex(tmp_path):
 
 def test_written_files_and_results_index(tmp_path):
     out = tmp_path / "results" / "tables"
-    paths = write_table(aggregate(fabricated_plan(tmp_path)), out)
+    plan = fabricated_plan(tmp_path)
+    paths = write_table(aggregate(plan), out)
     assert sorted(p.name for p in paths) == ["fab.csv", "fab.md", "fab.png", "fab.tex", "fab_across.csv",
                                                  "fab_curves.png"]
     assert all(p.stat().st_size > 0 for p in paths)
     index = (tmp_path / "results" / "README.md").read_text()
     assert "[fab](tables/fab.md)" in index and "| smoke |" in index and "6 / 4 / 1 of 12" in index
+    # a table of evaluations (no run logged a training loss): no curves, the old picture removed
+    for log in tmp_path.rglob("metrics.jsonl"):
+        log.write_text('{"epoch": 1, "test_set": "imagenet_a", "top1": 50.0}\n')
+    assert "fab_curves.png" not in [p.name for p in write_table(aggregate(plan), out)]
+    assert not (out / "fab_curves.png").exists()
 
 
 def test_a_scale_other_than_smoke_has_a_folder_and_an_index_section_of_its_own(tmp_path):
