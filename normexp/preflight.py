@@ -151,10 +151,12 @@ def _device_available(cfg: DictConfig) -> None:
 
 
 def check_environment(cfg: DictConfig) -> None:
-    """The data at its root, the device, the task's own inputs (the run it starts from: completed)."""
-    check_data(cfg.data)
-    _device_available(cfg)
+    """The data at its root (where the task reads it), the device, the task's own inputs (the run it starts
+    from: completed)."""
     task = get_task(cfg.task.name)
+    if task.data_root:
+        check_data(cfg.data)
+    _device_available(cfg)
     check_source_completed(cfg, task)
     if task.check is not None:
         task.check(cfg)

@@ -49,8 +49,10 @@ def build_classifier(cfg: DictConfig) -> nn.Module:
 class Task:
     """One task (see the module docstring).
 
-    ``data``: the data configs it reads (empty: any). ``metrics(values)``: the metric names its evaluation
-    reports for a resolved config (None: it does not train, and has no ``trainer.best_metric``).
+    ``data``: the data configs it reads (empty: any); ``data_root``: whether it reads the data config's own
+    dataset (False: the config gives only preprocessing and classes, as for evaluate). ``metrics(values)``:
+    the metric names its evaluation reports for a resolved config (None: it does not train, and has no
+    ``trainer.best_metric``).
     ``build(config)``: the model it trains, from its prepared config (default: the backbone as a classifier).
     ``need``: what it needs the backbone to serve (``normexp.models.base.NEEDS``; dense features: inputs of
     any size, the backbone's ``dense`` settings applied). ``starts_from``: the config key that names the run
@@ -68,6 +70,7 @@ class Task:
     name: str
     run: Callable[[DictConfig, RunRecord], dict[str, Any]]
     data: tuple[str, ...] = ()
+    data_root: bool = True
     metrics: Callable[[dict[str, Any]], list[str]] | None = None
     check: Callable[[DictConfig], None] | None = None
     prepare: Callable[[DictConfig], DictConfig] = _as_configured

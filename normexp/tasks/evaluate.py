@@ -142,5 +142,5 @@ def run_evaluate(cfg: Any, record: RunRecord) -> dict[str, Any]:
     return {"test_sets": results}
 
 
-register_task(Task("evaluate", run_evaluate, data=("digits", "imagenet"), check=check_evaluate,
-                   prepare=with_checkpoint_model, starts_from="task.checkpoint"))
+register_task(Task("evaluate", run_evaluate, data=("digits", "imagenet"), data_root=False,
+                   check=check_evaluate, prepare=with_checkpoint_model, starts_from="task.checkpoint"))
