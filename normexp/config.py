@@ -296,11 +296,19 @@ def norm_schema(name: str) -> type | None:
     """The schema of ``norm=<name>``: its options' types and checks from the normalizer's constructor (their
     values: the constructor's defaults, ``norm/code/<name>``, and what its yaml states), plus ``placement``
     and ``model_defaults`` (what it suggests to the models it goes into, read by their configs)."""
-    from .norms.registry import hyperparameters
+    from .norms.registry import get_norm_class, hyperparameters
 
-    options = hyperparameters(name)
-    if options is None:
-        return None
+    key = (name, get_norm_class(name))  # made once per registered class: the schema pass caches by schema
+    if key not in _NORM_SCHEMAS:
+        options = hyperparameters(name)
+        _NORM_SCHEMAS[key] = None if options is None else _norm_dataclass(name, options)
+    return _NORM_SCHEMAS[key]
+
+
+_NORM_SCHEMAS: dict[tuple[str, type], type | None] = {}
+
+
+def _norm_dataclass(name: str, options: list[Any]) -> type:
     return make_dataclass(f"Norm_{name}", [
         ("name", str, field(default="???")),
         ("placement", PlacementSchema, field(default_factory=PlacementSchema)),
@@ -405,9 +413,32 @@ def unknown_key(key: str, known: list[str] | None = None) -> UserError:
     return UserError(f"unknown config key {key}: {hint}{parent or 'the config'} has {', '.join(known)}")
 
 
+_STRUCTURED: dict[type, tuple[DictConfig, dict[str, bool]]] = {}
+
+
+def _structured(schema: type) -> tuple[DictConfig, dict[str, bool]]:
+    """The schema as a config (made once: merge copies it) and its open fields, ``dict[str, Any]`` (name ->
+    whether None is allowed too): the merge leaves those out, as converting them checks nothing but their
+    type and is most of its cost."""
+    if schema not in _STRUCTURED:
+        hints = typing.get_type_hints(schema)
+        open_fields = {f.name: hints[f.name] != dict[str, Any] for f in fields(schema)
+                       if hints[f.name] in (dict[str, Any], dict[str, Any] | None)}
+        _STRUCTURED[schema] = OmegaConf.structured(schema), open_fields
+    return _STRUCTURED[schema]
+
+
 def _merge(schema: type, values: Any, where: str) -> DictConfig:
+    base, open_fields = _structured(schema)
+    if isinstance(values, dict):
+        for name, optional in open_fields.items():
+            value = values.get(name)
+            if name in values and not isinstance(value, dict) and not (optional and value is None):
+                key = f"{where}.{name}" if where else name
+                raise UserError(f"bad value for {key}: a mapping of options, not {type(value).__name__}")
+        values = {k: v for k, v in values.items() if k not in open_fields}
     try:
-        return OmegaConf.merge(OmegaConf.structured(schema), values)
+        return OmegaConf.merge(base, values)
     except OmegaConfBaseException as e:
         inner = getattr(e, "full_key", None) or ""
         key = ".".join(k for k in (where, inner) if k)

@@ -79,3 +79,14 @@ def test_command_line_mistakes_are_one_line_exit_2_and_leave_nothing(tmp_path, o
     assert not (tmp_path / "out").exists() or not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
 
 
+
+
+def test_an_open_group_that_is_not_a_mapping_is_one_line():
+    """The schema pass checks the open groups (backbone, norm, ...) are mappings without converting them."""
+    from normexp.config import RunSchema, fit_schema
+
+    with pytest.raises(UserError, match=r"^bad value for backbone: a mapping of options, not int$"):
+        fit_schema(RunSchema, {"backbone": 3}, "")
+    with pytest.raises(UserError, match=r"^bad value for task: a mapping of options, not NoneType$"):
+        fit_schema(RunSchema, {"task": None}, "")
+    assert fit_schema(RunSchema, {"table": None, "backbone": {"name": "vit_micro"}}, "").seed == 0
