@@ -335,7 +335,9 @@ def across_strata(result: TableResult) -> list[Across]:
     stratum_keys = tuple(k for k in spec.label_keys if any(k in dict(s) for s in strata))
     out = []
     for metric in (m for m in spec.metrics if m.delta):
+        # a stratum where no run has the metric (a ViT's FID) ranks nothing, not only its diverged runs
         outcomes = [{m: r.cells[metric.key].outcomes(metric.higher_is_better) for m, r in methods.items()}
+                    if any(r.cells[metric.key].values for r in methods.values()) else {}
                     for methods in strata.values()]
         ranked = [{m: list(o.values()) for m, o in s.items() if o} for s in outcomes]
         ranks = stats.mean_ranks([s for s in ranked if len(s) > 1], metric.higher_is_better)
@@ -345,7 +347,7 @@ def across_strata(result: TableResult) -> list[Across]:
             for stratum, methods, found in zip(strata, strata.values(), outcomes, strict=True):
                 base = methods.get(base_of.get(stratum, ()))
                 if method in methods and base is not None and base is not methods[method]:
-                    own, ref = found[method], found[base_of[stratum]]
+                    own, ref = found.get(method), found.get(base_of[stratum])
                     if own and ref:
                         pairs.append((own, ref))
             rank = ranks.get(method)

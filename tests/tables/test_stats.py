@@ -212,3 +212,9 @@ def test_a_method_that_diverged_on_a_backbone_ranks_last_there_and_loses(tmp_pat
     assert [r["diverged_runs"] for r in rows] == ["0", "3"]
     (tmp_path / "all").mkdir()
     assert "diverged run is a result, the worst" not in to_markdown(seeded(tmp_path / "all"))
+    # where no run of a backbone has the metric (every one diverged; a ViT's FID), that backbone ranks nothing
+    runs |= {("vit_b", "ln", s): {"status": "diverged", "diverged": {"step": 5}, "metrics": {}}
+             for s in (0, 1, 2)}
+    (tmp_path / "none").mkdir()
+    (across,) = across_strata(aggregate(fabricated_plan(tmp_path / "none", SPEC, runs)))
+    assert across.strata == 1 and [m.strata for m in across.methods] == [1, 1]
