@@ -45,6 +45,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-input -c constraints.txt -e '.[dev]'
+	$(PY) -m normexp.norms.kernels.native  # the native CPU kernels, built once per machine (about 20 s)
 	touch $(STAMP)
 
 demo: install

@@ -36,6 +36,7 @@ def test_non_editable_install_runs_the_demo_elsewhere(tmp_path):
                               "--target", str(site), str(ROOT)], capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stderr[-2000:]
     assert (site / "normexp" / "configs" / "train.yaml").is_file()
+    assert (site / "normexp" / "norms" / "kernels" / "native.cpp").is_file()  # the native CPU kernels' source
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"WANDB_SILENT": "true"}

@@ -56,7 +56,7 @@ class DyT(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mode = resolve_kernels(self.kernels, x, (DyT, self.squash, self.data_format))
+        mode = resolve_kernels(self.kernels, x, (DyT, self.squash, self.data_format), has_native=True)
         if mode == "autograd":  # the definition
             y = channel_affine(SQUASH[self.squash](self.alpha * x), self.weight, self.bias, self.data_format)
         else:

@@ -131,7 +131,7 @@ class PointWise(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mode = resolve_kernels(self.kernels, x, (PointWise, self.fn, self.data_format))
+        mode = resolve_kernels(self.kernels, x, (PointWise, self.fn, self.data_format), has_native=True)
         if mode == "autograd":  # the definition
             if self.fn == "dyisru":
                 y = math.sqrt(self.dim) * x * torch.rsqrt(self.beta + x * x)

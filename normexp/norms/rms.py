@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels_first = self.data_format == "channels_first"
-        mode = resolve_kernels(self.kernels, x, (RMSNorm, self.data_format))
+        mode = resolve_kernels(self.kernels, x, (RMSNorm, self.data_format), has_native=True)
         if mode != "autograd":
             return rms_norm(x, self.weight, self.eps, channels_first, mode).to(output_dtype(x))
         if channels_first:

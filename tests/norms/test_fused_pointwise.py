@@ -1,7 +1,9 @@
 """The fused paths of the point-wise family (every ``norm=pointwise`` fn, DyISRU, ``norm=derf``) and of
 RMSNorm against their plain paths (``kernels=autograd``, the definitions): float64 gradcheck through the fused
-Function away from the kinks and equality at them, bfloat16 autocast against float32 at the rounded input,
-both layouts; the fused path is the default, and a checkpoint of either path loads in the other."""
+Function -- its kernels op by op (``eager``) and as native CPU loops (``native``) -- away from the kinks and
+equality at them, float32 native loops at shapes that leave vector remainders, bfloat16 autocast against
+float32 at the rounded input, both layouts; the fused path is the default, and a checkpoint of either path
+loads in the other."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch.func import functional_call
 
 from normexp.norms import kernels
 from normexp.norms.derf import Derf
+from normexp.norms.kernels import native
 from normexp.norms.kernels import pointwise as pointwise_kernels
 from normexp.norms.kernels import rms as rms_kernels
 from normexp.norms.pointwise import FN_CHOICES, PointWise
@@ -23,6 +26,9 @@ from normexp.norms.rms import RMSNorm
 C = 4
 LAYOUTS = {"tokens": ((2, 3, C), "channels_last"), "map_channels_first": ((2, C, 3, 2), "channels_first")}
 NORMS = [*FN_CHOICES, "rms"]
+# the fused Function's kernels under test: op by op, and the native loops where they build here
+FUSED = ["eager", pytest.param("native", marks=pytest.mark.skipif(
+    not native.available(), reason="native kernels do not build here"))]
 # where a slope jumps or is infinite: the clips' boundaries (linear, satursin, power23: |u| = 1 or pi/2;
 # logsign: log(1 + |u|) = 1; logquad: log(1 + u^2) = 1; arcsinh: asinh(u) = 1) and u = 0 (sign)
 KINKS = torch.tensor([0.0, 1.0, math.pi / 2, math.e - 1, math.sqrt(math.e - 1), math.sinh(1)],
@@ -64,11 +70,12 @@ def outputs_and_grads(m: nn.Module, x: torch.Tensor, g: torch.Tensor) -> list[to
     return [y, x.grad, *(p.grad for p in m.parameters())]
 
 
+@pytest.mark.parametrize("kernels", FUSED)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("norm", NORMS)
-def test_fused_path_gradchecks_and_equals_the_plain_path_float64(norm, layout):
+def test_fused_path_gradchecks_and_equals_the_plain_path_float64(norm, layout, kernels):
     shape, fmt = LAYOUTS[layout]
-    fused = randomized(build(norm, "eager", fmt)).double()
+    fused = randomized(build(norm, kernels, fmt)).double()
     names = [n for n, _ in fused.named_parameters()]
 
     def call(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
@@ -84,13 +91,14 @@ def test_fused_path_gradchecks_and_equals_the_plain_path_float64(norm, layout):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # fast_tanh: tanh within 2e-8
 
 
+@pytest.mark.parametrize("kernels", FUSED)
 @pytest.mark.parametrize("fn", FN_CHOICES)
-def test_fused_path_takes_autograds_slope_at_the_kinks(fn):
+def test_fused_path_takes_autograds_slope_at_the_kinks(fn, kernels):
     """At u exactly on a kink (alpha 1, shift 0) the fused slope is the plain path's: clamp's is 0 on the
     boundary, sign's 0 at 0, exproot's and power23_clip's infinite slope at 0 NaN."""
     x = torch.cat([KINKS, -KINKS[1:]])[:, None].expand(-1, C).contiguous()
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    fused, plain = (build(fn, k, alpha0=1.0, shift0=0.0).double() for k in ("eager", "autograd"))
+    fused, plain = (build(fn, k, alpha0=1.0, shift0=0.0).double() for k in (kernels, "autograd"))
     for a, b in zip(outputs_and_grads(fused, x, g), outputs_and_grads(plain, x, g), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)
 
@@ -146,10 +154,11 @@ def test_the_fused_path_saves_only_its_input_and_row_statistics(norm):
     assert [t.data_ptr() for t in large] == [x.data_ptr()]  # rms: a sum of squares per row beside it
 
 
+@pytest.mark.parametrize("kernels", FUSED)
 @pytest.mark.parametrize("norm", ["erf", "dyisru", "rms"])
-def test_a_checkpoint_of_either_path_loads_in_the_other(norm):
+def test_a_checkpoint_of_either_path_loads_in_the_other(norm, kernels):
     x, g = torch.randn(2, 3, C), torch.randn(2, 3, C)
-    for train, other in (("eager", "autograd"), ("autograd", "eager")):
+    for train, other in ((kernels, "autograd"), ("autograd", kernels)):
         m = build(norm, train)
         outputs_and_grads(m, x, g)
         with torch.no_grad():
@@ -173,3 +182,61 @@ def test_compiled_kernels_match_the_plain_path(norm):
     plain = outputs_and_grads(randomized(build(norm, "autograd", fmt)), x, g)
     for a, b in zip(compiled, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels do not build here")
+@pytest.mark.parametrize("norm", NORMS)
+def test_native_loops_in_float32_match_the_plain_path_with_vector_and_block_remainders(norm):
+    """37 rows (a block of 32 and 5), 20 channels (a vector of 16 and 4), two threads; channels first with an
+    inner size of 35."""
+    channels = 20
+    for shape, fmt in (((37, channels), "channels_last"), ((2, channels, 5, 7), "channels_first")):
+        x = 2 * torch.randn(shape, generator=torch.Generator().manual_seed(5))
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(6))
+        layers = []
+        for k in ("native", "autograd"):
+            layer = (RMSNorm(channels, data_format=fmt, kernels=k) if norm == "rms" else
+                     PointWise(channels, norm, data_format=fmt, kernels=k, vector_shift=norm != "dyisru"))
+            torch.manual_seed(7)
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p.add_(0.3 * torch.randn(p.shape))
+            layers.append(layer)
+        with torch.autograd.set_grad_enabled(True):
+            threads = torch.get_num_threads()
+            torch.set_num_threads(2)
+            try:
+                fused = outputs_and_grads(layers[0], x, g)
+            finally:
+                torch.set_num_threads(threads)
+        for a, b in zip(fused, outputs_and_grads(layers[1], x, g), strict=True):  # rtol: exproot near 0
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def test_auto_picks_the_native_loops_for_large_cpu_inputs_and_compiled_elsewhere(monkeypatch):
+    monkeypatch.setattr(native, "supports", lambda x: x.device.type == "cpu" and x.dtype in native.DTYPES)
+    monkeypatch.setattr(kernels, "compiler_available", lambda device_type: True)
+    monkeypatch.setattr(kernels, "COMPILE_AFTER_CALLS", 0)
+    big, small = torch.empty(kernels.COMPILE_MIN_NUMEL), torch.empty(8)
+    assert kernels.resolve_kernels("auto", big, "kind", has_native=True) == "native"
+    assert kernels.resolve_kernels("auto", small, "kind", has_native=True) == "autograd"  # smoke tables
+    assert kernels.resolve_kernels("auto", big.bfloat16(), "kind", has_native=True) == "compiled"
+    assert kernels.resolve_kernels("auto", big, "kind") == "compiled"  # DTN has no native loops
+    assert kernels.resolve_kernels("native", big.bfloat16(), "kind", has_native=True) == "compiled"
+    monkeypatch.setattr(native, "supports", lambda x: False)  # no compiler, or not Linux
+    assert kernels.resolve_kernels("auto", big, "kind", has_native=True) == "compiled"
+
+
+def test_a_library_that_does_not_build_is_said_once_and_the_layers_run_on(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("NORMEXP_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "--no-such-flag"))
+    native.library.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert not native.available() and not native.available()
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+        assert "native CPU kernels unavailable" in caplog.text and "--no-such-flag" in caplog.text
+        assert list(tmp_path.iterdir()) == []  # no partial library left behind
+        assert kernels.resolve_kernels("native", torch.empty(4), "kind", has_native=True) == "compiled"
+    finally:
+        native.library.cache_clear()

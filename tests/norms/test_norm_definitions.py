@@ -16,6 +16,7 @@ from normexp.norms.derf import Derf
 from normexp.norms.dyt import DyT
 from normexp.norms.group import GroupNorm
 from normexp.norms.instance import InstanceNorm
+from normexp.norms.kernels import native
 from normexp.norms.kernels.pointwise import fast_erf, fast_tanh
 from normexp.norms.scale import ScaleNorm
 
@@ -182,17 +183,19 @@ def dyt_outputs_and_grads(kernels: str, fmt: str, squash: str, learnable: bool, 
     return [y, x.grad, *(p.grad for p in m.parameters())]
 
 
+@pytest.mark.parametrize("kernels", ["eager", pytest.param("native", marks=pytest.mark.skipif(
+    not native.available(), reason="native kernels do not build here"))])
 @pytest.mark.parametrize("learnable", [True, False])
 @pytest.mark.parametrize("squash", SQUASH)
 @pytest.mark.parametrize("layout", FORMATS)
-def test_dyt_fused_path_matches_definition_float64(layout, squash, learnable):
-    # the fused Function (its kernels run op by op here; compiled for large inputs) against autograd
-    # through the definition: outputs and gradients of x, alpha, weight, bias
+def test_dyt_fused_path_matches_definition_float64(layout, squash, learnable, kernels):
+    # the fused Function (its kernels op by op, and as native CPU loops) against autograd through the
+    # definition: outputs and gradients of x, alpha, weight, bias
     shape, fmt = FORMATS[layout]
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3
     g = torch.randn(shape, generator=gen, dtype=torch.float64)
-    fused = dyt_outputs_and_grads("eager", fmt, squash, learnable, x, g)
+    fused = dyt_outputs_and_grads(kernels, fmt, squash, learnable, x, g)
     plain = dyt_outputs_and_grads("autograd", fmt, squash, learnable, x, g)
     assert len(fused) == len(plain) == 4 + learnable
     for a, b in zip(fused, plain, strict=True):

@@ -15,13 +15,17 @@ from torch.func import functional_call
 
 from normexp.errors import UserError
 from normexp.models import build_backbone
+from normexp.norms.kernels import native
 from normexp.norms.pointwise import FUNCTIONS, PointWise
 from normexp.preflight import validate
 from normexp.tracking.provenance import config_hash
 
 C = 4
 ALPHA = 0.75
-PATHS = ["autograd", "eager"]
+# the plain path, the fused Function's kernels op by op, and its native CPU loops where they build here
+NATIVE = pytest.param("native", marks=pytest.mark.skipif(not native.available(),
+                                                         reason="native kernels do not build here"))
+PATHS = ["autograd", "eager", NATIVE]
 OPTIONS = ("vector_shift", "output_shift", "clip", "blend", "flat", "negate", "prescale")
 
 
@@ -128,12 +132,13 @@ def outputs_and_grads(m: PointWise, x: torch.Tensor, g: torch.Tensor) -> list[to
     return [y, x.grad, *(p.grad for p in m.parameters())]
 
 
+@pytest.mark.parametrize("kernels", ["eager", NATIVE])
 @pytest.mark.parametrize("layout", ["channels_last", "channels_first"])
 @pytest.mark.parametrize("case", FUSED)
-def test_fused_path_gradchecks_and_equals_the_plain_path_float64(case, layout):
+def test_fused_path_gradchecks_and_equals_the_plain_path_float64(case, layout, kernels):
     fn, options = FUSED[case]
     shape = (2, 3, C) if layout == "channels_last" else (2, C, 3, 2)
-    fused = randomized(PointWise(C, fn, data_format=layout, kernels="eager", **options).double())
+    fused = randomized(PointWise(C, fn, data_format=layout, kernels=kernels, **options).double())
     names = [n for n, _ in fused.named_parameters()]
 
     def call(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
@@ -149,12 +154,13 @@ def test_fused_path_gradchecks_and_equals_the_plain_path_float64(case, layout):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_fused_path_takes_autograds_slope_on_the_options_kinks():
+@pytest.mark.parametrize("kernels", ["eager", NATIVE])
+def test_fused_path_takes_autograds_slope_on_the_options_kinks(kernels):
     """u exactly on the flat zone's edges (|u| = 0.25), the clip's (u - 0.25 = +-0.5) and at 0."""
     x = torch.tensor([0.0, 0.25, -0.25, 0.75, -0.75, 1.0, 0.1], dtype=torch.float64)[:, None].expand(-1, C)
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     options = {"alpha0": 1.0, "flat": 0.25, "clip": 0.5, "blend": 0.25, "learnable_shift": False}
-    fused, plain = (PointWise(C, "linear", kernels=k, **options).double() for k in ("eager", "autograd"))
+    fused, plain = (PointWise(C, "linear", kernels=k, **options).double() for k in (kernels, "autograd"))
     for a, b in zip(outputs_and_grads(fused, x, g), outputs_and_grads(plain, x, g), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 

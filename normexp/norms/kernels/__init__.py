@@ -1,6 +1,7 @@
-"""The fused paths of DyT and DTN: autograd Functions with hand-written backward passes whose kernels run op
-by op (``eager``) or ``torch.compile``-d (``compiled``); ``norm.kernels`` picks the path, resolved per
-input."""
+"""The fused paths of the point-wise family, RMSNorm and DTN: autograd Functions with hand-written backward
+passes whose kernels run op by op (``eager``), ``torch.compile``-d (``compiled``) or, for the point-wise
+family and RMSNorm on the CPU, as hand-written loops (``native``, :mod:`.native`); ``norm.kernels`` picks
+the path, resolved per input."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any
 
 import torch
 
-KERNEL_MODES = ("auto", "compiled", "eager", "autograd")
+from . import native
+
+KERNEL_MODES = ("auto", "native", "compiled", "eager", "autograd")
 # "auto" compiles only inputs at least this large (small tensors stay in cache, where fusing saves little) ...
 COMPILE_MIN_NUMEL = 2**19
 # ... and only shapes a layer kind has already run this many times: a compile costs seconds per shape and
@@ -59,13 +62,21 @@ def _has_compiler(device_type: str) -> bool:
     return False
 
 
-def resolve_kernels(mode: str, x: torch.Tensor, kind: Any = None) -> str:
-    """The path for input ``x``: ``autograd`` inside an outer ``torch.compile``; ``auto`` is ``compiled`` for
-    large inputs once layers of ``kind`` ran ``COMPILE_AFTER_CALLS`` times on the shape, else ``autograd``."""
+def resolve_kernels(mode: str, x: torch.Tensor, kind: Any = None, has_native: bool = False) -> str:
+    """The path for input ``x``: ``autograd`` inside an outer ``torch.compile``; ``auto`` is ``autograd`` for
+    small inputs, else ``native`` where the layer has native loops (``has_native``) that take ``x`` (CPU,
+    float32/float64), else ``compiled`` once layers of ``kind`` ran ``COMPILE_AFTER_CALLS`` times on the
+    shape; ``native`` where its loops do not take ``x`` is ``compiled``."""
     if torch.compiler.is_compiling():
         return "autograd"
+    if mode == "native" and not (has_native and native.supports(x)):
+        return "compiled"
     if mode == "auto":
-        if x.numel() < COMPILE_MIN_NUMEL or not compiler_available(x.device.type):
+        if x.numel() < COMPILE_MIN_NUMEL:
+            return "autograd"
+        if has_native and native.supports(x):
+            return "native"  # built once per machine: no per-shape compile to win back
+        if not compiler_available(x.device.type):
             return "autograd"
         key = (kind, tuple(x.shape), x.dtype, x.device.type, torch.is_grad_enabled())
         _calls[key] += 1
@@ -77,13 +88,17 @@ class Kernels:
     """Named kernel functions and their ``torch.compile``-d versions; a build failure is reported once and
     that device runs them op by op."""
 
-    def __init__(self, options: dict[str, Any] | None = None, **functions: Callable[..., Any]) -> None:
+    def __init__(self, options: dict[str, Any] | None = None, native: SimpleNamespace | None = None,
+                 **functions: Callable[..., Any]) -> None:
         self.eager = SimpleNamespace(**functions)
+        self.native = native  # the same functions as native loops (CPU, float32/float64)
         self.options = {**_COMPILE_OPTIONS, **(options or {})}  # inductor options
         self._compiled: SimpleNamespace | None = None
 
     def get(self, mode: str) -> SimpleNamespace:
-        """The kernels for ``mode`` (``compiled`` or ``eager``)."""
+        """The kernels for ``mode`` (``native``, ``compiled`` or ``eager``)."""
+        if mode == "native" and self.native is not None:
+            return self.native
         if mode != "compiled":
             return self.eager
         if self._compiled is None:

@@ -1,9 +1,10 @@
 """The fused path of the point-wise normalizers ``gamma * f(alpha * x + s) + beta`` -- DyT (``f = tanh``, no
 shift, and its ablations' squashes), Derf and every function of :mod:`normexp.norms.pointwise`
-(``norm.kernels=compiled|eager``): one autograd Function that saves only its input (and the parameters),
-for every ``f`` that supplies its value and its derivative (:data:`FUNCTIONS`), transformed by the
-function-property options (:class:`PointOptions`) and with a scalar or per-channel shift. Its forward is one
-pass; its backward two loops: one reduction for the alpha, shift, gamma and beta gradients, one for dL/dx.
+(``norm.kernels=native|compiled|eager``): one autograd Function that saves only its input (and the
+parameters), for every ``f`` that supplies its value and its derivative (:data:`FUNCTIONS`), transformed by
+the function-property options (:class:`PointOptions`) and with a scalar or per-channel shift. Its forward is
+one pass; its backward, compiled, two loops (one reduction for the alpha, shift, gamma and beta gradients,
+one for dL/dx), and one in the native CPU loops (:mod:`.native`).
 
 tanh and erf are rational functions (:func:`fast_tanh`, :func:`fast_erf`: within 2e-8 and 4e-8; float32
 evaluation within 4e-7, a few ulps), because the library tanh and erf in compiled CPU code cost several
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import Kernels
+from . import Kernels, native
 
 Tensor = torch.Tensor
 
@@ -253,7 +254,7 @@ def _backward(gy: Tensor, x: Tensor, alpha: Tensor, shift: Tensor | None, weight
     return g_x, g_alpha, g_shift, channel_sums(gy * t, channels_first), channel_sums(gy, channels_first)
 
 
-_KERNELS = Kernels(forward=_forward, backward=_backward)
+_KERNELS = Kernels(forward=_forward, backward=_backward, native=native.POINTWISE)
 
 
 class _PointWiseFunction(torch.autograd.Function):
@@ -279,6 +280,7 @@ class _PointWiseFunction(torch.autograd.Function):
 def pointwise(x: Tensor, alpha: Tensor, shift: Tensor | None, weight: Tensor, bias: Tensor, fn: str,
               channels_first: bool, mode: str, options: PointOptions = PLAIN) -> Tensor:
     """``weight * g(alpha * x + shift) + bias`` (shift: a scalar, one per channel, or None) through the fused
-    Function, its kernels ``compiled`` or ``eager``; ``g`` one of :data:`FUNCTIONS` under ``options``."""
+    Function, its kernels ``native``, ``compiled`` or ``eager``; ``g`` one of :data:`FUNCTIONS` under
+    ``options``."""
     return _PointWiseFunction.apply(x, alpha, shift, weight, bias, fn, channels_first, options,
                                     _KERNELS.get(mode))

@@ -1,6 +1,6 @@
-"""RMSNorm's fused path (``norm.kernels=compiled|eager``): one autograd Function that saves only its input and
-the per-row sum of squares (as LayerNorm's kernels save the input and two per-row statistics), with the
-analytic backward ``dL/dx = rstd * (g - x_hat * mean(g * x_hat))``, ``g = dL/dy * gamma``,
+"""RMSNorm's fused path (``norm.kernels=native|compiled|eager``): one autograd Function that saves only its
+input and the per-row sum of squares (as LayerNorm's kernels save the input and two per-row statistics), with
+the analytic backward ``dL/dx = rstd * (g - x_hat * mean(g * x_hat))``, ``g = dL/dy * gamma``,
 ``x_hat = x * rstd`` (Zhang & Sennrich, arXiv 1910.07467, Sec. 3). Float16/bfloat16 inputs are computed in
 float32, as ``F.rms_norm``'s CUDA kernel does. Row statistics are sums scaled by ``1 / C`` rather than
 means: compiled, each row's reduction and its element-wise pass then share one loop.
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import Kernels
+from . import Kernels, native
 from .pointwise import channel_dim, channel_shape, channel_sums
 
 Tensor = torch.Tensor
@@ -47,7 +47,7 @@ def _backward(gy: Tensor, x: Tensor, sum_square: Tensor, weight: Tensor | None, 
     return g_x, g_weight
 
 
-_KERNELS = Kernels(forward=_forward, backward=_backward)
+_KERNELS = Kernels(forward=_forward, backward=_backward, native=native.RMS)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -68,6 +68,6 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, channels_first: bool, mode: str) -> Tensor:
-    """``x / sqrt(mean_c(x^2) + eps) * weight`` through the fused Function, its kernels ``compiled`` or
-    ``eager``."""
+    """``x / sqrt(mean_c(x^2) + eps) * weight`` through the fused Function, its kernels ``native``,
+    ``compiled`` or ``eager``."""
     return _RMSNormFunction.apply(x, weight, eps, channels_first, _KERNELS.get(mode))
