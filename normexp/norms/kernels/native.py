@@ -1,13 +1,7 @@
-"""The CPU path of the point-wise family and RMSNorm (``norm.kernels=native``, what ``auto`` picks for large
-float32/float64 CPU inputs): the hand-written loops of ``native.cpp``, one pass each way, called through
-ctypes with the same signatures as the ``torch.compile``-d kernels of :mod:`.pointwise` and :mod:`.rms`.
-
-The library is built on first use with the C++ compiler torch.compile uses (``g++ -fopenmp``; it shares
-torch's OpenMP runtime and thread count) into a cache keyed by the source, the flags, the compiler and the
-CPU (``-march=native``): ``$NORMEXP_KERNEL_CACHE``, else ``~/.cache/normexp/kernels``. ``make install``
-builds it ahead (``python -m normexp.norms.kernels.native``). Where it cannot be built, the layers use the
-compiled path, and the reason is logged once.
-"""
+"""The CPU path of the point-wise family and RMSNorm (``norm.kernels=native``): the one-pass loops of
+``native.cpp``, called through ctypes with the signatures of :mod:`.pointwise`'s and :mod:`.rms`'s kernels.
+Built on first use (or by ``make install``) with torch.compile's C++ compiler and OpenMP into a cache keyed by
+source, flags, compiler and CPU; where it cannot be built, the layers take the compiled path (logged once)."""
 
 from __future__ import annotations
 
@@ -73,8 +67,8 @@ def library_path(compiler: str) -> Path:
 
 
 def build(compiler: str) -> Path:
-    """The library, compiled unless the cache holds it (written under a temporary name, then renamed, so that
-    concurrent processes never load a partial file)."""
+    """The library, compiled unless cached (renamed into place: concurrent processes never load a partial
+    file)."""
     path = library_path(compiler)
     if path.exists():
         return path
